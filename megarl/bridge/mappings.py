@@ -1,0 +1,135 @@
+"""Mapping primitives: how one Megatron-Core parameter relates to one or more HF checkpoint tensors.
+
+Every primitive is invertible and works in two layers:
+- layout: `hf_to_mcore` turns the HF tensors into the *full* Megatron tensor (the one a TP=1 model holds), and
+  `mcore_to_hf` turns it back;
+- sharding: `shard` cuts the full tensor into what TP rank r of T holds, and `unshard` rebuilds it from all T shards.
+Import reads a table of these left to right, export right to left; nothing else in the bridge knows a layout.
+
+Names are templates: "{layer}" is the decoder layer index (local in Megatron names, global in HF names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class VocabInfo:
+    """The tokenizer vocabulary and the padded size Megatron's vocab-parallel layers use."""
+
+    size: int
+    padded_size: int
+
+
+def pad_vocab_size(vocab_size: int, multiple: int, tp: int) -> int:
+    """Megatron pads the vocabulary to a multiple of `make_vocab_size_divisible_by * tp` so every TP rank holds an
+    equal slice of the embedding and output layer."""
+    step = multiple * tp
+    return -(-vocab_size // step) * step
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One Megatron parameter <-> HF tensors with the same values (the identity layout)."""
+
+    mcore: str
+    """Megatron parameter name (local spec naming); "{layer}" stands for the decoder layer index."""
+    hf: tuple[str, ...]
+    """HF checkpoint tensor names, in the order `hf_to_mcore` takes them."""
+    tp_dim: int | None = None
+    """Dimension split across tensor-parallel ranks; None when every TP rank holds the whole tensor."""
+    export: bool = True
+    """False for import-only aliases (a tied output layer reads the embedding but is never written back)."""
+
+    def hf_to_mcore(self, hf: Sequence[torch.Tensor], vocab: VocabInfo) -> torch.Tensor:
+        (tensor,) = hf
+        return tensor
+
+    def mcore_to_hf(self, full: torch.Tensor, vocab: VocabInfo) -> list[torch.Tensor]:
+        return [full]
+
+    def shard(self, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+        if self.tp_dim is None or tp_size == 1:
+            return full
+        return full.chunk(tp_size, dim=self.tp_dim)[tp_rank]
+
+    def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        if self.tp_dim is None or len(shards) == 1:
+            return shards[0]
+        return torch.cat(list(shards), dim=self.tp_dim)
+
+    def with_layer(self, layer: int, local_layer: int) -> tuple[str, tuple[str, ...]]:
+        """(Megatron name with the local layer index, HF names with the global one)."""
+        return self.mcore.format(layer=local_layer), tuple(name.format(layer=layer) for name in self.hf)
+
+
+@dataclass(frozen=True)
+class Direct(Mapping):
+    """Same tensor on both sides; split along `tp_dim` or replicated."""
+
+
+@dataclass(frozen=True)
+class VocabRows(Mapping):
+    """Embedding or output-layer rows: zero-padded to the padded vocabulary on import, stripped on export."""
+
+    tp_dim: int | None = 0
+
+    def hf_to_mcore(self, hf: Sequence[torch.Tensor], vocab: VocabInfo) -> torch.Tensor:
+        (tensor,) = hf
+        if tensor.shape[0] != vocab.size:
+            raise ValueError(f"{self.hf[0]} has {tensor.shape[0]} rows but the config's vocab_size is {vocab.size}")
+        padding = tensor.new_zeros((vocab.padded_size - vocab.size, *tensor.shape[1:]))
+        return torch.cat([tensor, padding]) if padding.numel() else tensor
+
+    def mcore_to_hf(self, full: torch.Tensor, vocab: VocabInfo) -> list[torch.Tensor]:
+        return [full[: vocab.size]]
+
+
+@dataclass(frozen=True)
+class QKV(Mapping):
+    """HF q/k/v projections <-> Megatron's fused `linear_qkv`, laid out per query group:
+    [q heads of group 0, k of group 0, v of group 0, q heads of group 1, ...]. TP splits whole groups."""
+
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    tp_dim: int | None = 0
+
+    def _group_rows(self) -> list[int]:
+        return [self.num_heads // self.num_kv_heads * self.head_dim, self.head_dim, self.head_dim]
+
+    def hf_to_mcore(self, hf: Sequence[torch.Tensor], vocab: VocabInfo) -> torch.Tensor:
+        rest = hf[0].shape[1:]
+        groups = [t.reshape(self.num_kv_heads, rows, *rest) for t, rows in zip(hf, self._group_rows())]
+        return torch.cat(groups, dim=1).reshape(-1, *rest)
+
+    def mcore_to_hf(self, full: torch.Tensor, vocab: VocabInfo) -> list[torch.Tensor]:
+        rest = full.shape[1:]
+        grouped = full.reshape(self.num_kv_heads, -1, *rest)
+        return [part.reshape(-1, *rest) for part in grouped.split(self._group_rows(), dim=1)]
+
+
+@dataclass(frozen=True)
+class GateUp(Mapping):
+    """HF gate and up projections <-> Megatron's `linear_fc1`. The full tensor is [gate; up]; TP rank r holds
+    [gate_r; up_r], so each rank's SwiGLU sees matching halves."""
+
+    tp_dim: int | None = 0
+
+    def hf_to_mcore(self, hf: Sequence[torch.Tensor], vocab: VocabInfo) -> torch.Tensor:
+        return torch.cat(list(hf), dim=0)
+
+    def mcore_to_hf(self, full: torch.Tensor, vocab: VocabInfo) -> list[torch.Tensor]:
+        return list(full.chunk(2, dim=0))
+
+    def shard(self, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]])
+
+    def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        return torch.cat([gate for gate, _ in halves] + [up for _, up in halves])

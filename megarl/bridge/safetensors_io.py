@@ -1,0 +1,224 @@
+"""HF safetensors checkpoints: a lazy reader and a streaming sharded writer, both with bounded memory.
+
+The reader validates every shard's header when it opens (a truncated or corrupted file fails there, naming the
+file), then reads one tensor at a time with plain reads: no memory map, whose touched pages would count against the
+process for as long as the file stays mapped. The writer knows every tensor's name, dtype and shape
+in advance, writes each file's header first and streams the data after it, so it holds one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megarl.errors import UserError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+DTYPE_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+DTYPES_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * self.dtype.itemsize
+
+
+def read_header(path: Path) -> tuple[dict[str, dict], int]:
+    """A safetensors file's header (name -> dtype, shape, offsets), checked against the file's size, and the
+    position where its data section starts."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                raise ValueError(f"header claims {header_len} bytes but the file has {size}")
+            header = json.loads(f.read(header_len))
+    except FileNotFoundError as err:
+        raise UserError(f"{path} does not exist (it is listed in the checkpoint's index)") from err
+    except (OSError, ValueError, struct.error) as err:
+        raise UserError(f"{path} is not a valid safetensors file ({err}): is it truncated or corrupted?") from err
+    header.pop("__metadata__", None)
+    data_end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    if 8 + header_len + data_end != size:
+        raise UserError(
+            f"{path} is not a valid safetensors file: its header describes {8 + header_len + data_end} bytes but the "
+            f"file has {size}: is it truncated or corrupted?"
+        )
+    return header, 8 + header_len
+
+
+class HFCheckpoint:
+    """The weights of a HF model folder (`model.safetensors` or a sharded set with its index), read lazily."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        weight_map = self._weight_map()
+        self._specs: dict[str, TensorSpec] = {}
+        self._file_of: dict[str, str] = {}
+        self._offset_of: dict[str, int] = {}  # absolute position of each tensor's bytes in its file
+        for file_name in dict.fromkeys(weight_map.values()):
+            header, data_start = read_header(self.folder / file_name)
+            for name, entry in header.items():
+                if entry["dtype"] not in DTYPES_BY_CODE:
+                    raise UserError(f"{self.folder / file_name}: tensor {name} has unsupported dtype {entry['dtype']}")
+                self._specs[name] = TensorSpec(name, DTYPES_BY_CODE[entry["dtype"]], tuple(entry["shape"]))
+                self._file_of[name] = file_name
+                self._offset_of[name] = data_start + entry["data_offsets"][0]
+        missing = [name for name, file_name in weight_map.items() if self._file_of.get(name) != file_name]
+        if missing:
+            raise UserError(f"{self.folder / INDEX_FILE} lists tensors missing from their files: {missing[:5]}")
+        self.names: list[str] = list(weight_map) if self._has_index else list(self._specs)
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.folder / INDEX_FILE
+        self._has_index = index.is_file()
+        if self._has_index:
+            try:
+                return json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError) as err:
+                raise UserError(f"{index} is not a valid safetensors index ({err})") from err
+        single = self.folder / SINGLE_FILE
+        if not single.is_file():
+            raise UserError(
+                f"{self.folder} holds no safetensors weights: expected {SINGLE_FILE} or {INDEX_FILE} "
+                "(PyTorch .bin checkpoints are not read; re-save the model with save_pretrained)"
+            )
+        return dict.fromkeys(read_header(single)[0], SINGLE_FILE)
+
+    def spec(self, name: str) -> TensorSpec:
+        return self._specs[name]
+
+    def specs(self) -> list[TensorSpec]:
+        return [self._specs[name] for name in self.names]
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor, read from its file into fresh memory."""
+        if name not in self._file_of:
+            raise UserError(f"{self.folder} has no tensor named {name!r}")
+        spec = self._specs[name]
+        data = torch.empty(spec.nbytes, dtype=torch.uint8)
+        with (self.folder / self._file_of[name]).open("rb") as f:
+            f.seek(self._offset_of[name])
+            if f.readinto(memoryview(data.numpy())) != spec.nbytes:
+                raise UserError(f"{self.folder / self._file_of[name]} ended inside tensor {name}: is it truncated?")
+        return data.view(spec.dtype).reshape(spec.shape)
+
+
+def shard_file_names(num_shards: int) -> list[str]:
+    if num_shards == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
+
+
+def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Split tensors, in order, into files of at most `max_shard_bytes` (a larger tensor gets a file of its own)."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards
+
+
+def _header_bytes(shard: Sequence[TensorSpec]) -> bytes:
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in shard:
+        header[spec.name] = {
+            "dtype": DTYPE_CODES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class ShardedSafetensorsWriter:
+    """Writes `specs` as a HF checkpoint in `folder`; tensors must arrive through `write` in the order of `specs`."""
+
+    def __init__(self, folder: str | Path, specs: Sequence[TensorSpec], max_shard_bytes: int):
+        self.folder = Path(folder)
+        self.shards = plan_shards(specs, max_shard_bytes)
+        self.file_names = shard_file_names(len(self.shards))
+        self._queue = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
+        self._next = 0
+        self._file = None
+        self._file_index = -1
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self._queue):
+            raise RuntimeError(f"unexpected tensor {name}: every planned tensor was already written")
+        shard_index, spec = self._queue[self._next]
+        if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+            raise RuntimeError(
+                f"expected {spec.name} {spec.dtype} {spec.shape} next, got {name} {tensor.dtype} {tuple(tensor.shape)}"
+            )
+        if shard_index != self._file_index:
+            self._open(shard_index)
+        flat = tensor.detach().contiguous().reshape(-1)
+        if flat.numel():
+            self._file.write(memoryview(flat.view(torch.uint8).numpy()))
+        self._next += 1
+
+    def write_all(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in tensors:
+            self.write(name, tensor)
+
+    def _open(self, shard_index: int) -> None:
+        self._close_file()
+        self._file = (self.folder / self.file_names[shard_index]).open("wb")
+        self._file.write(_header_bytes(self.shards[shard_index]))
+        self._file_index = shard_index
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+
+    def close(self) -> None:
+        """Finish the last file and write the index (for more than one file); every planned tensor must be in."""
+        if self._next != len(self._queue):
+            raise RuntimeError(f"{len(self._queue) - self._next} planned tensors were never written")
+        self._close_file()
+        if len(self.shards) > 1:
+            weight_map = {spec.name: self.file_names[i] for i, shard in enumerate(self.shards) for spec in shard}
+            total = sum(spec.nbytes for shard in self.shards for spec in shard)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

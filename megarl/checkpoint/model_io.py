@@ -1,0 +1,140 @@
+"""Build a rank's Megatron-Core model from a HF folder or a megarl checkpoint, and save it as a megarl checkpoint.
+
+Both are collective over all ranks (Megatron's parallel state must be initialized with the wanted layout). A HF
+folder is imported through the bridge (each rank reads the tensors its shards need); a megarl checkpoint is loaded
+through Megatron's distributed checkpointing, at any layout.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.bridge.importer import load_hf_weights
+from megarl.bridge.mappings import VocabInfo, pad_vocab_size
+from megarl.bridge.model_bridge import ModelBridge
+from megarl.bridge.safetensors_io import HFCheckpoint, TensorSpec
+from megarl.checkpoint.dist_io import check_loadable, load_model_weights, save_model_weights
+from megarl.checkpoint.model_dir import (
+    HF_DIR,
+    INFO_FILE,
+    MODEL_DIR,
+    ModelCheckpointInfo,
+    copy_hf_side_files,
+    load_manifest,
+    save_manifest,
+)
+from megarl.checkpoint.staging import check_destination
+from megarl.models.architecture import Architecture
+from megarl.models.builder import build_model
+from megarl.models.hf_config import config_dtype, dtype_name, load_hf_config, read_config_json
+from megarl.models.layout import check_parallel_layout
+from megarl.models.registry import get_architecture
+from megarl.runtime.parallel import ParallelConfig
+
+
+@dataclass
+class LoadedModel:
+    """A rank's model chunks together with everything needed to map them back to the HF checkpoint."""
+
+    chunks: list[torch.nn.Module]
+    bridge: ModelBridge
+    arch: Architecture
+    hf_config: object
+    vocab: VocabInfo
+    hf_dir: Path
+    """Folder with the HF config and tokenizer files."""
+    hf_specs: list[TensorSpec] = field(default_factory=list)
+    """The source HF checkpoint's tensors (name, dtype, shape): what an export must reproduce."""
+
+    @property
+    def hf_dtypes(self) -> dict[str, torch.dtype]:
+        default = config_dtype(self.hf_config)
+        dtypes = {name: default for name in self.bridge.hf_names(exported_only=True)}
+        dtypes.update({spec.name: spec.dtype for spec in self.hf_specs})
+        return dtypes
+
+
+def is_megarl_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / INFO_FILE).is_file()
+
+
+def load_model(
+    path: str | Path,
+    parallel: ParallelConfig,
+    dtype: torch.dtype = torch.float32,
+    vocab_multiple: int = 128,
+) -> LoadedModel:
+    """Build this rank's chunks and fill them from `path` (a HF folder or a megarl checkpoint folder)."""
+    path = Path(path)
+    if is_megarl_checkpoint(path):
+        info = ModelCheckpointInfo.load(path)
+        check_loadable(info, parallel)
+        model = _build(path / HF_DIR, parallel, dtype, lambda hf_config: info.vocab)
+        load_model_weights(model.chunks, path / MODEL_DIR)
+        model.hf_specs = load_manifest(path) or []
+        return model
+    read_config_json(path)
+
+    def vocab_of(hf_config) -> VocabInfo:
+        return VocabInfo(hf_config.vocab_size, pad_vocab_size(hf_config.vocab_size, vocab_multiple, parallel.tp))
+
+    model = _build(path, parallel, dtype, vocab_of)
+    checkpoint = HFCheckpoint(path)
+    load_hf_weights(model.bridge, checkpoint)
+    model.hf_specs = checkpoint.specs()
+    return model
+
+
+def _build(hf_dir: Path, parallel: ParallelConfig, dtype: torch.dtype, vocab_of) -> LoadedModel:
+    hf_config = load_hf_config(hf_dir)
+    arch = get_architecture(hf_config.model_type)
+    check_parallel_layout(hf_config, parallel)
+    vocab = vocab_of(hf_config)
+    chunks = build_model(arch, hf_config, parallel, vocab, dtype)
+    bridge = ModelBridge(arch.mappings(hf_config), chunks, vocab)
+    return LoadedModel(chunks, bridge, arch, hf_config, vocab, hf_dir)
+
+
+def save_model(model: LoadedModel, folder: str | Path, overwrite: bool = False) -> Path:
+    """Collective: write `model` as a megarl checkpoint folder, visible at `folder` only once complete."""
+    rank = dist.get_rank()
+    folder = Path(folder).resolve()
+    tmp = folder.parent / f".{folder.name}.partial"
+    if rank == 0:
+        check_destination(folder, overwrite)
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / MODEL_DIR).mkdir(parents=True)
+        copy_hf_side_files(model.hf_dir, tmp / HF_DIR)
+        save_manifest(tmp, model.hf_specs)
+        ModelCheckpointInfo(
+            architecture=model.arch.name,
+            vocab_size=model.vocab.size,
+            padded_vocab_size=model.vocab.padded_size,
+            params_dtype=dtype_name(model.chunks[0].config.params_dtype),
+            layout=_current_layout(),
+            source=str(model.hf_dir),
+        ).save(tmp)
+    dist.barrier()
+    save_model_weights(model.chunks, tmp / MODEL_DIR)
+    dist.barrier()
+    if rank == 0:
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    dist.barrier()
+    return folder
+
+
+def _current_layout() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+    }

@@ -1,0 +1,120 @@
+"""The `megarl` command line. Surface only: every command calls into the package that owns the logic."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+
+from megarl.errors import UserError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """'5GB' | '500MB' | '2GiB' | '123' (bytes) -> bytes."""
+    match = _SIZE.match(text)
+    unit = (match.group(2) or "").lower() if match else None
+    if unit is not None and unit and not unit.endswith("b"):
+        unit += "b"
+    if not match or unit not in _UNITS:
+        raise UserError(f"{flag}={text!r} is not a size; valid examples: 5GB, 500MB, 2GiB, 1000000")
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise UserError(f"{flag}={text!r} must be positive")
+    return size
+
+
+def _add_convert(commands) -> None:
+    convert = commands.add_parser(
+        "convert",
+        help="convert checkpoints between Hugging Face safetensors and Megatron distributed checkpoints",
+        description="Convert a HF safetensors folder to a Megatron distributed checkpoint folder (--from hf --to "
+        "mcore), or back (--from mcore --to hf). The destination appears only when complete.",
+    )
+    convert.add_argument("--from", dest="src_format", required=True, choices=["hf", "mcore"])
+    convert.add_argument("--to", dest="dst_format", required=True, choices=["hf", "mcore"])
+    convert.add_argument("src", help="source folder")
+    convert.add_argument("dst", help="destination folder (must not exist unless --overwrite)")
+    convert.add_argument("--tp", type=int, default=1, help="tensor-parallel size the checkpoint is written for")
+    convert.add_argument("--pp", type=int, default=1, help="pipeline-parallel size the checkpoint is written for")
+    convert.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per stage")
+    convert.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="weights dtype (default: the source's)")
+    convert.add_argument(
+        "--vocab-multiple", type=int, default=128, help="pad the vocabulary to a multiple of this x tp"
+    )
+    convert.add_argument("--max-shard-size", default="5GB", help="largest HF safetensors file written (--to hf)")
+    convert.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    convert.add_argument("--no-progress", action="store_true", help="no progress bar")
+    convert.set_defaults(run=_run_convert)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from megarl.models.hf_config import parse_dtype
+    from megarl.runtime.parallel import ParallelConfig
+
+    dtype = parse_dtype(args.dtype, key="--dtype") if args.dtype else None
+    direction = (args.src_format, args.dst_format)
+    if direction == ("hf", "mcore"):
+        from converters.hf_to_mcore import convert_hf_to_mcore
+
+        parallel = ParallelConfig(tp=args.tp, pp=args.pp, vpp=args.vpp)
+        report = convert_hf_to_mcore(
+            args.src, args.dst, parallel, dtype, args.vocab_multiple, args.overwrite, not args.no_progress
+        )
+    elif direction == ("mcore", "hf"):
+        from converters.mcore_to_hf import convert_mcore_to_hf
+
+        if (args.tp, args.pp, args.vpp) != (1, 1, 1):
+            print("megarl: note: --tp/--pp/--vpp have no effect with --to hf", file=sys.stderr)
+        max_shard = parse_size(args.max_shard_size, "--max-shard-size")
+        report = convert_mcore_to_hf(
+            args.src, args.dst, dtype, max_shard, overwrite=args.overwrite, show_progress=not args.no_progress
+        )
+    else:
+        raise UserError(
+            f"--from {args.src_format} --to {args.dst_format} is not a conversion; valid: "
+            "--from hf --to mcore, --from mcore --to hf"
+        )
+    print(
+        f"wrote {report.destination}: {report.tensors} tensors, {report.bytes / 1e9:.3f} GB in {report.seconds:.1f} s"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megarl", description="RLHF / RLVR training on Megatron-Core")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_convert(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from megarl.runtime.quiet import silence_expected_warnings
+
+    silence_expected_warnings()
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except UserError as err:
+        if args.debug:
+            raise
+        print(f"megarl: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("megarl: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    except Exception as err:  # a bug, not bad input: say so briefly, keep the traceback behind --debug
+        if args.debug:
+            raise
+        print(
+            f"megarl: internal error: {type(err).__name__}: {err} (run with --debug for the traceback)", file=sys.stderr
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Reading Hugging Face model configs: loading with clear errors, and fields whose spelling varies by version."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", **{name: name for name in DTYPES}}
+
+
+def parse_dtype(name: str, key: str = "dtype") -> torch.dtype:
+    """'bf16' | 'bfloat16' | 'fp16' | 'float16' | 'fp32' | 'float32' -> torch dtype."""
+    canonical = DTYPE_ALIASES.get(str(name).removeprefix("torch."))
+    if canonical is None:
+        raise UserError(f"{key}={name!r} is not a supported dtype; valid: bf16, fp16, fp32")
+    return DTYPES[canonical]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """The raw config.json of a HF model folder, with a clear error when it is missing or unreadable."""
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise UserError(f"{model_dir} is not a folder: expected a Hugging Face model folder with config.json")
+    if not path.is_file():
+        raise UserError(f"{path} does not exist: expected a Hugging Face model folder with config.json")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"{path} is not readable JSON ({err})") from err
+
+
+def load_hf_config(model_dir: str | Path):
+    """`transformers.AutoConfig` for a local folder (never the hub)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"{model_dir}/config.json could not be loaded by transformers: {err}") from err
+
+
+def config_dtype(hf_config) -> torch.dtype:
+    """The dtype the checkpoint's weights are stored in (`dtype`, formerly `torch_dtype`); float32 if unset."""
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
+    if isinstance(value, torch.dtype):
+        return value
+    return parse_dtype(value, key="config.json dtype")
+
+
+def head_dim(hf_config) -> int:
+    explicit = getattr(hf_config, "head_dim", None)
+    return int(explicit) if explicit else hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def num_kv_heads(hf_config) -> int:
+    return int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+
+
+def rope_parameters(hf_config) -> dict[str, Any]:
+    """RoPE settings as one dict with `rope_type` and `rope_theta`, whatever the transformers version.
+
+    transformers 5 keeps them in `rope_parameters`; 4.x had `rope_theta` plus an optional `rope_scaling` dict
+    whose type key was once spelled `type`.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params

@@ -1,0 +1,22 @@
+"""Silence warnings that are expected and say nothing actionable (e.g. no Apex/TE on a CPU machine).
+
+Megatron-Core warns at import time, so this runs before it is imported: at CLI start and in every rank process.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+_EXPECTED = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"full scope is deprecated",  # Megatron's own default for cuda_graph_scope
+    r"Please use DTensor instead",  # torch DCP on Megatron's ShardedTensor path
+    r"`load_state_dict` is deprecated",  # Megatron's torch_dist loader calls the old DCP entry point
+    r"`torch.distributed.all_gather_into_tensor` is deprecated",  # called inside Megatron-Core
+)
+
+
+def silence_expected_warnings() -> None:
+    for pattern in _EXPECTED:
+        warnings.filterwarnings("ignore", message=pattern)

@@ -1,0 +1,54 @@
+"""Tiny HF checkpoints made from a config (no hub): real `save_pretrained` folders with a local tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+def tiny_config(name: str) -> dict[str, Any]:
+    """A model config from configs/models/, e.g. 'tiny-llama'."""
+    path = CONFIGS_DIR / f"{name}.json"
+    if not path.is_file():
+        names = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+        raise FileNotFoundError(f"no model config {path}; available: {', '.join(names)}")
+    return json.loads(path.read_text())
+
+
+def make_hf_checkpoint(
+    config: str | dict[str, Any],
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    max_shard_size: str | int | None = None,
+    with_tokenizer: bool = True,
+) -> Path:
+    """Build a random model from `config` (a name under configs/models/ or a config dict) and save it.
+
+    One-dimensional weights (norms, biases) are randomized too: HF initializes them to ones and zeros, which would
+    let a mapping that swaps two norms pass every numeric check.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megarl.testing.tokenizer import build_char_tokenizer
+
+    raw = dict(tiny_config(config) if isinstance(config, str) else config)
+    hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.2)
+    model = model.to(dtype)
+    out_dir = Path(out_dir)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
+    model.save_pretrained(out_dir, **kwargs)
+    if with_tokenizer:
+        build_char_tokenizer().save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,117 @@
+"""The architecture registry: lookup, per-family flags, unsupported settings and parallel layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from megarl.errors import UserError
+from megarl.models.hf_config import rope_parameters
+from megarl.models.layout import check_parallel_layout
+from megarl.models.registry import get_architecture, supported_model_types
+from megarl.models.rope import rope_inv_freq
+from megarl.runtime.parallel import ParallelConfig
+from megarl.testing.tiny_checkpoint import tiny_config
+
+
+def hf_config(name: str, **overrides):
+    raw = {**tiny_config(name), **overrides}
+    return AutoConfig.for_model(raw.pop("model_type"), **raw)
+
+
+def test_unknown_model_type_lists_the_supported_ones():
+    with pytest.raises(UserError, match="model_type='gpt2' is not supported; supported: llama, qwen2, qwen3"):
+        get_architecture("gpt2")
+    assert supported_model_types() == ["llama", "qwen2", "qwen3"]
+
+
+@pytest.mark.parametrize(
+    ("name", "flags"),
+    [
+        ("tiny-llama", dict(qkv_bias=False, proj_bias=False, mlp_bias=False, qk_norm=False, tied_embeddings=False)),
+        ("tiny-llama-bias", dict(qkv_bias=True, proj_bias=True, mlp_bias=True, qk_norm=False, tied_embeddings=True)),
+        ("tiny-qwen2", dict(qkv_bias=True, proj_bias=False, mlp_bias=False, qk_norm=False, tied_embeddings=True)),
+        ("tiny-qwen3", dict(qkv_bias=False, proj_bias=False, mlp_bias=False, qk_norm=True, tied_embeddings=False)),
+    ],
+)
+def test_family_flags(name, flags):
+    config = hf_config(name)
+    features = get_architecture(config.model_type).features(config)
+    assert {key: getattr(features, key) for key in flags} == flags
+
+
+def test_transformer_config_fields():
+    config = hf_config("tiny-qwen3")
+    spec = get_architecture("qwen3").to_mcore(config)
+    fields = spec.config_kwargs
+    assert (fields["num_query_groups"], fields["kv_channels"], fields["qk_layernorm"]) == (2, 32, True)
+    assert fields["layernorm_epsilon"] == 1e-6 and fields["add_qkv_bias"] is False
+    assert spec.gpt_kwargs["rotary_base"] == 1e6 and spec.gpt_kwargs["share_embeddings_and_output_weights"] is False
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "message"),
+    [
+        ("tiny-llama", {"attention_bias": True}, "attention_bias=True with mlp_bias=False is not supported"),
+        ("tiny-qwen2", {"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window=True is not supported"),
+        ("tiny-qwen3", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported; valid: silu"),
+        (
+            "tiny-qwen3",
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+            "rope_type='dynamic' is not supported",
+        ),
+    ],
+)
+def test_unsupported_settings_are_refused(name, overrides, message):
+    config = hf_config(name, **overrides)
+    with pytest.raises(UserError, match=message):
+        get_architecture(config.model_type).to_mcore(config)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "message"),
+    [
+        (
+            ParallelConfig(tp=3),
+            r"tp=3 does not divide num_attention_heads=4, num_key_value_heads=2 and intermediate_size=128; valid: 1, 2",
+        ),
+        (ParallelConfig(tp=4), r"tp=4 does not divide .* valid: 1, 2"),
+        (
+            ParallelConfig(pp=3),
+            r"pp=3 x vpp=1 does not divide num_hidden_layers=4 into equal stages; valid pp with vpp=1: 1, 2, 4",
+        ),
+        (ParallelConfig(pp=4, vpp=2), r"valid pp with vpp=2: 1, 2$"),
+    ],
+)
+def test_impossible_layouts_name_the_valid_values(parallel, message):
+    with pytest.raises(UserError, match=message):
+        check_parallel_layout(hf_config("tiny-llama"), parallel)
+
+
+def test_possible_layouts_pass():
+    for parallel in [ParallelConfig(tp=2, pp=2), ParallelConfig(pp=2, vpp=2), ParallelConfig(pp=4)]:
+        check_parallel_layout(hf_config("tiny-llama"), parallel)
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        ("tiny-llama", {}),  # llama3 scaling with its own low/high frequency factors
+        ("tiny-qwen3", {}),  # default, theta 1e6, explicit head_dim
+        ("tiny-qwen2", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}}),
+    ],
+)
+def test_rope_frequencies_match_transformers(name, overrides):
+    config = hf_config(name, **overrides)
+    model = AutoModelForCausalLM.from_config(config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    ours = rope_inv_freq(head_dim, rope_parameters(config))
+    assert torch.allclose(ours, model.model.rotary_emb.inv_freq, rtol=0, atol=1e-12)
+
+
+def test_parallel_config_rejects_bad_sizes():
+    with pytest.raises(UserError, match="parallel.tp=0 must be >= 1"):
+        ParallelConfig(tp=0)
+    with pytest.raises(UserError, match="vpp=2 needs pipeline parallelism"):
+        ParallelConfig(vpp=2)

@@ -1,0 +1,196 @@
+"""`megarl convert` from the command line: the catalogue of bad inputs, and the real console script.
+
+Each bad input must give exit code 2, one paragraph naming the bad file/flag/value and what is valid, no traceback,
+and leave nothing behind. These fail in pre-flight, before Megatron is touched, so they run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from converters.hf_to_mcore import convert_hf_to_mcore
+from converters.mcore_to_hf import convert_mcore_to_hf
+from megarl.bridge.safetensors_io import HFCheckpoint
+from megarl.cli import main
+from megarl.errors import UserError
+from megarl.runtime.parallel import ParallelConfig
+
+
+@pytest.fixture
+def src(hf_checkpoint, tmp_path):
+    """A private copy of a tiny sharded HF checkpoint, free to break."""
+    folder = tmp_path / "src"
+    shutil.copytree(hf_checkpoint("tiny-llama", max_shard_size="100KB"), folder)
+    return folder
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    capsys.readouterr()  # drop what fixtures printed
+    code = main(["convert", *argv, "--no-progress"])
+    err = capsys.readouterr().err
+    return code, err
+
+
+def assert_clean_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 2, err
+    assert err.startswith("megarl: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+def truncate(folder):
+    victim = sorted(folder.glob("model-*.safetensors"))[2]
+    victim.write_bytes(victim.read_bytes()[:-100])
+    return victim.name
+
+
+def corrupt_header(folder):
+    victim = sorted(folder.glob("model-*.safetensors"))[0]
+    data = bytearray(victim.read_bytes())
+    data[10:30] = b"#" * 20
+    victim.write_bytes(bytes(data))
+    return victim.name
+
+
+def set_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+CASES = {
+    "missing source": (lambda s: s / "nope", [], ["nope is not a folder"]),
+    "source is a file": (lambda s: s / "config.json", [], ["config.json is not a folder"]),
+    "no config.json": (lambda s: (s / "config.json").unlink() or s, [], ["config.json does not exist"]),
+    "unsupported model_type": (
+        lambda s: set_config(s, model_type="gpt2") or s,
+        [],
+        ["model_type='gpt2' is not supported", "llama, qwen2"],
+    ),
+    "tp does not divide heads": (
+        lambda s: s,
+        ["--tp", "3"],
+        ["--tp=3 does not divide num_attention_heads=4", "valid: 1, 2"],
+    ),
+    "tp does not divide kv heads": (lambda s: s, ["--tp", "4"], ["num_key_value_heads=2", "valid: 1, 2"]),
+    "pp does not divide layers": (lambda s: s, ["--pp", "3"], ["--pp=3 x --vpp=1 does not divide num_hidden_layers=4"]),
+    "vpp without pp": (lambda s: s, ["--vpp", "2"], ["parallel.vpp=2 needs pipeline parallelism"]),
+    "truncated safetensors": (lambda s: s, [], ["truncated or corrupted"]),
+    "corrupted header": (lambda s: s, [], ["is not a valid safetensors file"]),
+    "no weights": (lambda s: [p.unlink() for p in s.glob("model*")] and s, [], ["holds no safetensors weights"]),
+    "bad vocab multiple": (lambda s: s, ["--vocab-multiple", "0"], ["--vocab-multiple=0 must be a positive integer"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_hf_to_mcore_inputs(capsys, src, tmp_path, case):
+    prepare, flags, fragments = CASES[case]
+    if case == "truncated safetensors":
+        fragments = [truncate(src), *fragments]
+    if case == "corrupted header":
+        fragments = [corrupt_header(src), *fragments]
+    source = prepare(src)
+    dst = tmp_path / "dst"
+    code, err = run_cli(capsys, "--from", "hf", "--to", "mcore", str(source), str(dst), *flags)
+    assert_clean_error(code, err, *fragments)
+    assert not dst.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "staging folder left behind"
+
+
+def test_existing_destination_needs_overwrite(capsys, src, tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    code, err = run_cli(capsys, "--from", "hf", "--to", "mcore", str(src), str(dst))
+    assert_clean_error(code, err, "already exists; pass --overwrite")
+    assert (dst / "keep.txt").read_text() == "mine"
+
+
+def test_destination_inside_source(capsys, src):
+    code, err = run_cli(capsys, "--from", "hf", "--to", "mcore", str(src), str(src / "out"))
+    assert_clean_error(code, err, "overlaps the source")
+
+
+def test_not_a_megarl_checkpoint(capsys, src, tmp_path):
+    code, err = run_cli(capsys, "--from", "mcore", "--to", "hf", str(src), str(tmp_path / "dst"))
+    assert_clean_error(code, err, "megarl.json does not exist", "is not a megarl Megatron checkpoint")
+
+
+def test_incomplete_megarl_checkpoint(capsys, tmp_path):
+    folder = tmp_path / "ckpt"
+    (folder / "model").mkdir(parents=True)
+    info = {"architecture": "llama", "vocab_size": 10, "padded_vocab_size": 128, "params_dtype": "float32"}
+    (folder / "megarl.json").write_text(json.dumps(info))
+    code, err = run_cli(capsys, "--from", "mcore", "--to", "hf", str(folder), str(tmp_path / "dst"))
+    assert_clean_error(code, err, "holds no complete Megatron checkpoint (metadata.json missing)")
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--from", "hf", "--to", "hf"], "--from hf --to hf is not a conversion; valid: --from hf --to mcore"),
+        (["--from", "mcore", "--to", "hf", "--max-shard-size", "lots"], "--max-shard-size='lots' is not a size"),
+    ],
+)
+def test_bad_flags(capsys, src, tmp_path, argv, fragment):
+    code, err = run_cli(capsys, *argv, str(src), str(tmp_path / "dst"))
+    assert_clean_error(code, err, fragment)
+
+
+def test_weights_that_do_not_fit_the_config(ranks1, src, tmp_path):
+    """Caught from the meta model's expected shapes, before a single tensor is converted."""
+    set_config(src, intermediate_size=96)
+    with pytest.raises(Exception, match=r"do not match the model described by .*tensors with the wrong shape"):
+        ranks1.run(convert_hf_to_mcore, str(src), str(tmp_path / "dst"), show_progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_config_edited_after_conversion(ranks1, src, tmp_path):
+    mcore = tmp_path / "mcore"
+    ranks1.run(convert_hf_to_mcore, str(src), str(mcore), ParallelConfig(), show_progress=False)
+    set_config(mcore / "hf", tie_word_embeddings=True)
+    with pytest.raises(Exception, match="describes other tensors than the checkpoint recorded in hf_tensors.json"):
+        ranks1.run(convert_mcore_to_hf, str(mcore), str(tmp_path / "back"), show_progress=False)
+
+
+def test_user_errors_are_value_errors():
+    assert issubclass(UserError, ValueError)
+
+
+# ---- the real console script ------------------------------------------------------------------------------------
+
+
+def megarl(*argv, check=True):
+    """The installed console script, as a user runs it (next to this interpreter, where pip puts it)."""
+    script = Path(sys.executable).parent / "megarl"
+    out = subprocess.run([str(script), *argv], capture_output=True, text=True, timeout=300)
+    if check:
+        assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_console_script_round_trip_with_overwrite(hf_checkpoint, tmp_path):
+    src = hf_checkpoint("tiny-qwen2", torch.bfloat16)
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    out = megarl("convert", "--from", "hf", "--to", "mcore", str(src), str(mcore), "--tp", "2", "--no-progress")
+    assert f"wrote {mcore}" in out.stdout
+    back.mkdir()
+    megarl("convert", "--from", "mcore", "--to", "hf", str(mcore), str(back), "--overwrite", "--max-shard-size", "50KB")
+    original, converted = HFCheckpoint(src), HFCheckpoint(back)
+    assert sorted(original.names) == sorted(converted.names)
+    assert all(torch.equal(original.get(n), converted.get(n)) for n in original.names)
+
+
+def test_debug_flag_shows_the_traceback(tmp_path):
+    out = megarl(
+        "--debug", "convert", "--from", "hf", "--to", "mcore", str(tmp_path / "nope"), str(tmp_path / "d"), check=False
+    )
+    assert out.returncode != 0 and "Traceback" in out.stderr and "UserError" in out.stderr
