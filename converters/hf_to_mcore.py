@@ -39,6 +39,8 @@ class ConversionReport:
     bytes: int
     seconds: float
     destination: Path
+    notes: tuple[str, ...] = ()
+    """Things the user should know, e.g. tensors that were skipped."""
 
 
 def convert_hf_to_mcore(
@@ -63,6 +65,9 @@ def convert_hf_to_mcore(
         raise UserError(f"--vocab-multiple={vocab_multiple} must be a positive integer (Megatron's default: 128)")
     dst = check_destination(dst, overwrite, sources=(src,))
     checkpoint = HFCheckpoint(src)
+    derived = [name for name in checkpoint.names if arch.is_derived(name)]
+    checkpoint.names = [name for name in checkpoint.names if name not in derived]
+    notes = (f"skipped {len(derived)} tensors recomputed from config.json (e.g. {derived[0]})",) if derived else ()
     dtype = dtype or config_dtype(hf_config)
     vocab = VocabInfo(hf_config.vocab_size, pad_vocab_size(hf_config.vocab_size, vocab_multiple, parallel.tp))
 
@@ -89,4 +94,4 @@ def convert_hf_to_mcore(
                 source=str(src.resolve()),
             ).save(tmp)
     total = sum(spec.nbytes for spec in checkpoint.specs())
-    return ConversionReport(len(checkpoint.names), total, time.monotonic() - start, dst)
+    return ConversionReport(len(checkpoint.names), total, time.monotonic() - start, dst, notes)

@@ -53,7 +53,8 @@ def build_meta_model(arch: Architecture, hf_config, vocab: VocabInfo, dtype: tor
 
 
 def check_checkpoint_matches(checkpoint: HFCheckpoint, expected: list[TensorSpec], config_path: str) -> None:
-    """Every tensor the model needs is in the checkpoint with the right shape, and nothing else is."""
+    """Every tensor the model needs is in the checkpoint with the right shape, and nothing else is (but for the
+    derived tensors the caller already left out of `checkpoint.names`)."""
     present = {spec.name: spec for spec in checkpoint.specs()}
     wanted = {spec.name: spec for spec in expected}
     missing = [name for name in wanted if name not in present]

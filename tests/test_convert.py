@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -79,6 +80,26 @@ def test_dtype_change_on_import(ranks1, hf_checkpoint, tmp_path):
         value, rounded = converted.get(name), original.get(name).to(torch.bfloat16).float()
         assert torch.equal(value, rounded) or (value.dim() == 1 and torch.equal(value, original.get(name))), name
     assert not torch.equal(converted.get("lm_head.weight"), original.get("lm_head.weight"))
+
+
+def test_derived_rope_buffers_are_skipped_and_reported(ranks1, hf_checkpoint, tmp_path):
+    """Older checkpoints carry `rotary_emb.inv_freq` buffers; they are recomputed, not converted."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_checkpoint("tiny-qwen2"), src)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+
+    mcore = tmp_path / "mcore"
+    (report,) = ranks1.run(convert_hf_to_mcore, str(src), str(mcore), show_progress=False)
+    assert report.notes == (
+        "skipped 1 tensors recomputed from config.json (e.g. model.layers.0.self_attn.rotary_emb.inv_freq)",
+    )
+    back = tmp_path / "back"
+    ranks1.run(convert_mcore_to_hf, str(mcore), str(back), show_progress=False)
+    assert_same_checkpoint(hf_checkpoint("tiny-qwen2"), back)
 
 
 @pytest.fixture(scope="module")

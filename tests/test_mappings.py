@@ -90,6 +90,7 @@ def test_every_mapping_round_trips_through_any_tp(mapping, hf, tp):
     assert len(back) == len(hf) and all(torch.equal(a, b) for a, b in zip(back, hf))
 
 
-def test_layer_templates_bind_local_and_global_ids():
+def test_layer_templates_name_hf_tensors():
     mapping = Direct("decoder.layers.{layer}.x.weight", ("model.layers.{layer}.x.weight",))
-    assert mapping.with_layer(layer=7, local_layer=1) == ("decoder.layers.1.x.weight", ("model.layers.7.x.weight",))
+    assert mapping.hf_names(layer=7) == ("model.layers.7.x.weight",)
+    assert Direct("a.weight", ("b.weight",)).hf_names() == ("b.weight",)

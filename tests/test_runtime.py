@@ -6,11 +6,13 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from megarl.checkpoint.staging import staged_folder
 from megarl.errors import UserError
+from megarl.runtime.distributed import find_free_port
 from megarl.runtime.rank_pool import RankFailure, RankPool
 
 # ---- CPU compatibility layer (checked inside a rank process, where it is active) ------------------------------
@@ -98,6 +100,41 @@ def test_cpu_compat_stays_off_when_cuda_is_present():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+# ---- process groups and seeds -----------------------------------------------------------------------------------
+
+
+def test_init_distributed_from_the_torchrun_environment():
+    script = Path(__file__).parent / "scripts" / "torchrun_check.py"
+    port = str(find_free_port())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, str(script)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank="))
+    assert lines == [
+        "rank=0 world=2 local_rank=0 backend=gloo sum=1",
+        "rank=1 world=2 local_rank=1 backend=gloo sum=1",
+    ]
+
+
+def test_set_seed_makes_every_generator_repeat():
+    import random
+
+    import numpy as np
+    import torch
+
+    from megarl.runtime.seed import set_seed
+
+    def draw():
+        return random.random(), float(np.random.rand()), torch.rand(2).tolist()
+
+    set_seed(7)
+    first = draw()
+    set_seed(7)
+    assert draw() == first
+    set_seed(8)
+    assert draw() != first
 
 
 # ---- rank pool ------------------------------------------------------------------------------------------------

@@ -62,9 +62,9 @@ class Mapping:
             return shards[0]
         return torch.cat(list(shards), dim=self.tp_dim)
 
-    def with_layer(self, layer: int, local_layer: int) -> tuple[str, tuple[str, ...]]:
-        """(Megatron name with the local layer index, HF names with the global one)."""
-        return self.mcore.format(layer=local_layer), tuple(name.format(layer=layer) for name in self.hf)
+    def hf_names(self, **indices: int | None) -> tuple[str, ...]:
+        """The HF names for global indices, e.g. hf_names(layer=7)."""
+        return tuple(name.format(**indices) for name in self.hf)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ so every pipeline layout Megatron supports, virtual stages and uneven first/last
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,8 +63,8 @@ class ModelBridge:
         self.tp_rank, self.tp_size = _tp_rank_and_size()
         self._by_skeleton: dict[str, Mapping] = {}
         for mapping in mappings:
-            # Two mappings may share a skeleton only if they are the same parameter (tied output layer variants).
-            self._by_skeleton.setdefault(_skeleton(mapping.mcore), mapping)
+            if self._by_skeleton.setdefault(_skeleton(mapping.mcore), mapping) is not mapping:
+                raise RuntimeError(f"the weight table maps {mapping.mcore} twice")
         self._te_renames = _te_renames()
         self.bindings: list[Binding] = [
             self._bind(name, param, index, chunk_layer_ids(chunk))
@@ -85,12 +86,10 @@ class ModelBridge:
         split = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
         if mapping.tp_dim != split:
             raise RuntimeError(f"{name}: the weight table splits dim {mapping.tp_dim} across TP, Megatron dim {split}")
-        local_layer = _layer_index(canonical)
-        if "{layer}" in mapping.mcore:
-            _, hf_names = mapping.with_layer(layer=layer_ids[local_layer], local_layer=local_layer)
-        else:
-            hf_names = mapping.hf
-        return Binding(mapping, name, hf_names, chunk, param)
+        local = _template_regex(mapping.mcore).fullmatch(canonical).groupdict()
+        # Megatron names count layers within the chunk; HF names count them across the whole model.
+        global_ids = {"layer": layer_ids[int(local["layer"])]} if "layer" in local else {}
+        return Binding(mapping, name, mapping.hf_names(**global_ids), chunk, param)
 
     # -- tensor conversion, shared by live import/export and the offline converter --------------------------------
 
@@ -120,23 +119,14 @@ class ModelBridge:
         return [n for b in self.bindings if b.mapping.export or not exported_only for n in b.hf_names]
 
 
-def _layer_index(name: str) -> int:
-    match = re.match(r"decoder\.layers\.(\d+)\.", name)
-    return int(match.group(1)) if match else -1
+@functools.cache
+def _template_regex(template: str) -> re.Pattern:
+    """'decoder.layers.{layer}.x' -> a regex capturing the index as group 'layer'."""
+    parts = re.split(r"\{(\w+)\}", template)
+    return re.compile("".join(re.escape(p) if i % 2 == 0 else f"(?P<{p}>\\d+)" for i, p in enumerate(parts)))
 
 
 def _tp_rank_and_size() -> tuple[int, int]:
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-
-
-def expected_hf_names(mappings: Sequence[Mapping], num_layers: int) -> list[str]:
-    """Every HF tensor name the table reads for a model with `num_layers` layers, in table order (no model needed)."""
-    names: dict[str, None] = {}
-    for mapping in mappings:
-        layers = range(num_layers) if "{layer}" in mapping.mcore else [None]
-        for layer in layers:
-            hf = mapping.hf if layer is None else mapping.with_layer(layer=layer, local_layer=layer)[1]
-            names.update(dict.fromkeys(hf))
-    return list(names)

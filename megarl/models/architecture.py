@@ -6,6 +6,7 @@ Families differ by flags on one `Architecture` class, never by copies of it. The
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,12 @@ class Architecture:
     """q/k/v projections carry a bias whatever config.json says (Qwen2); otherwise `attention_bias` decides."""
     unsupported: dict[str, Any] = field(default_factory=dict)
     """config.json keys whose truthy values this family's Megatron model cannot reproduce, with the reason."""
+    derived_hf_tensors: tuple[str, ...] = (r"\.rotary_emb\.inv_freq$",)
+    """Regexes of tensors some checkpoints carry but that are recomputed from config.json (older transformers
+    saved RoPE frequencies): skipped on import, and reported."""
+
+    def is_derived(self, hf_name: str) -> bool:
+        return any(re.search(pattern, hf_name) for pattern in self.derived_hf_tensors)
 
     def features(self, hf_config) -> Features:
         attention_bias = bool(getattr(hf_config, "attention_bias", False))

@@ -37,12 +37,7 @@ def build_transformer_config(spec: McoreModelSpec, parallel: ParallelConfig, dty
 
     kwargs = dict(
         spec.config_kwargs,
-        tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
-        virtual_pipeline_model_parallel_size=parallel.vpp_or_none,
-        context_parallel_size=parallel.cp,
-        expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=parallel.etp,
+        **parallel.megatron_sizes(),
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -87,14 +87,7 @@ def init_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
         )
     _groups_before_megatron.clear()
     _groups_before_megatron.update(_process_groups())
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
-        virtual_pipeline_model_parallel_size=parallel.vpp_or_none,
-        context_parallel_size=parallel.cp,
-        expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=parallel.etp,
-    )
+    parallel_state.initialize_model_parallel(**parallel.megatron_sizes())
     set_seed(seed)
 
 

@@ -44,3 +44,14 @@ class ParallelConfig:
     def vpp_or_none(self) -> int | None:
         """The virtual pipeline size as Megatron-Core spells it (None when not interleaved)."""
         return self.vpp if self.vpp > 1 else None
+
+    def megatron_sizes(self) -> dict[str, int | None]:
+        """The sizes under Megatron-Core's names, which `initialize_model_parallel` and `TransformerConfig` share."""
+        return dict(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp_or_none,
+            context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
+        )

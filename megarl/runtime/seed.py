@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 
 import numpy as np
 import torch
@@ -17,9 +18,8 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
+    parallel_state = sys.modules.get("megatron.core.parallel_state")  # no Megatron import for plain callers
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(seed)
