@@ -17,11 +17,13 @@ from converters.meta_model import build_meta_model, check_checkpoint_matches
 from megarl.bridge.mappings import VocabInfo, pad_vocab_size
 from megarl.bridge.safetensors_io import HFCheckpoint
 from megarl.checkpoint.model_dir import (
+    EXTRA_DIR,
     HF_DIR,
     MODEL_DIR,
     ModelCheckpointInfo,
     copy_hf_side_files,
     save_manifest,
+    write_hf_tensors,
 )
 from megarl.checkpoint.staging import check_destination, staged_folder
 from megarl.errors import UserError
@@ -60,20 +62,22 @@ def convert_hf_to_mcore(
     arch = get_architecture(read_config_json(src).get("model_type"))
     hf_config = load_hf_config(src)
     arch.check_supported(hf_config)
-    check_parallel_layout(hf_config, parallel, prefix="--")
+    check_parallel_layout(arch, hf_config, parallel, prefix="--")
     if vocab_multiple < 1:
         raise UserError(f"--vocab-multiple={vocab_multiple} must be a positive integer (Megatron's default: 128)")
     dst = check_destination(dst, overwrite, sources=(src,))
     checkpoint = HFCheckpoint(src)
     derived = [name for name in checkpoint.names if arch.is_derived(name)]
-    checkpoint.names = [name for name in checkpoint.names if name not in derived]
-    notes = (f"skipped {len(derived)} tensors recomputed from config.json (e.g. {derived[0]})",) if derived else ()
+    carried = [name for name in checkpoint.names if arch.is_mtp(name, hf_config)]
+    checkpoint.names = [name for name in checkpoint.names if name not in derived and name not in carried]
+    notes = _notes(derived, carried)
     dtype = dtype or config_dtype(hf_config)
     vocab = VocabInfo(hf_config.vocab_size, pad_vocab_size(hf_config.vocab_size, vocab_multiple, parallel.tp))
 
     with single_process_megatron():
         meta = build_meta_model(arch, hf_config, vocab, dtype)
-        check_checkpoint_matches(checkpoint, meta.hf_specs(lambda name: checkpoint.spec(name).dtype), str(src))
+        # names and shapes are compared; the dtype asked for here does not matter
+        check_checkpoint_matches(checkpoint, meta.hf_specs(lambda name: dtype), str(src))
         sharded_state_dict = meta.chunk.sharded_state_dict()
 
         def produce(param_name: str) -> torch.Tensor:
@@ -84,14 +88,29 @@ def convert_hf_to_mcore(
             with progress_bar(len(meta.bindings), f"hf -> mcore {src.name}", show_progress) as advance:
                 save_lazily(sharded_state_dict, tmp / MODEL_DIR, produce, on_param=advance)
             copy_hf_side_files(src, tmp / HF_DIR)
+            if carried:
+                write_hf_tensors(tmp / EXTRA_DIR, checkpoint, carried)
             save_manifest(tmp, checkpoint.specs())
             ModelCheckpointInfo(
                 architecture=arch.name,
                 vocab_size=vocab.size,
                 padded_vocab_size=vocab.padded_size,
                 params_dtype=dtype_name(dtype),
-                layout={"tp": parallel.tp, "pp": parallel.pp, "vpp": parallel.vpp},
+                layout=parallel.layout_dict(),
                 source=str(src.resolve()),
             ).save(tmp)
-    total = sum(spec.nbytes for spec in checkpoint.specs())
-    return ConversionReport(len(checkpoint.names), total, time.monotonic() - start, dst, notes)
+    total = sum(spec.nbytes for spec in checkpoint.specs()) + sum(checkpoint.spec(name).nbytes for name in carried)
+    return ConversionReport(len(checkpoint.names) + len(carried), total, time.monotonic() - start, dst, notes)
+
+
+def _notes(derived: list[str], carried: list[str]) -> tuple[str, ...]:
+    notes = []
+    if derived:
+        notes.append(f"skipped {len(derived)} tensors recomputed from config.json (e.g. {derived[0]})")
+    if carried:
+        layers = sorted({".".join(name.split(".")[:3]) for name in carried})
+        notes.append(
+            f"carried {len(carried)} tensors of multi-token-prediction layers ({', '.join(layers)}) through "
+            "unchanged: the Megatron model does not use them, converting back restores them"
+        )
+    return tuple(notes)

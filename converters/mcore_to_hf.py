@@ -18,8 +18,15 @@ from converters.hf_to_mcore import ConversionReport
 from converters.meta_model import build_meta_model
 from megarl.bridge.buckets import DEFAULT_BUCKET_BYTES
 from megarl.bridge.model_bridge import Binding
-from megarl.bridge.safetensors_io import ShardedSafetensorsWriter, TensorSpec
-from megarl.checkpoint.model_dir import HF_DIR, MODEL_DIR, ModelCheckpointInfo, copy_hf_side_files, load_manifest
+from megarl.bridge.safetensors_io import HFCheckpoint, ShardedSafetensorsWriter, TensorSpec
+from megarl.checkpoint.model_dir import (
+    EXTRA_DIR,
+    HF_DIR,
+    MODEL_DIR,
+    ModelCheckpointInfo,
+    copy_hf_side_files,
+    load_manifest,
+)
 from megarl.checkpoint.staging import check_destination, staged_folder
 from megarl.errors import UserError
 from megarl.models.hf_config import config_dtype, dtype_name, load_hf_config
@@ -121,10 +128,13 @@ def convert_mcore_to_hf(
     manifest = load_manifest(src)
     dtype_of = _dtype_policy(manifest, config_dtype(hf_config), dtype)
 
+    extra = HFCheckpoint(src / EXTRA_DIR) if (src / EXTRA_DIR).is_dir() else None
+
     with single_process_megatron():
         meta = build_meta_model(arch, hf_config, info.vocab, info.dtype)
         specs = meta.hf_specs(dtype_of)
         _check_manifest(manifest, specs, src)
+        specs += extra.specs() if extra else []
         sharded_state_dict = meta.chunk.sharded_state_dict()
         exported = [b for b in meta.bindings if b.mapping.export]
         with staged_folder(dst, overwrite) as tmp:
@@ -135,6 +145,8 @@ def convert_mcore_to_hf(
                     for binding in group:
                         writer.write_all(meta.bridge.to_hf(binding, loaded.pop(binding.param_name), dtype_of))
                         advance(binding.param_name)
+            for name in extra.names if extra else []:  # carried through unchanged (multi-token prediction)
+                writer.write(name, extra.get(name))
             writer.close()
             copy_hf_side_files(src / HF_DIR, tmp)
             if dtype is not None:

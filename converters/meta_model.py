@@ -17,7 +17,7 @@ from megarl.bridge.model_bridge import Binding, ModelBridge
 from megarl.bridge.safetensors_io import HFCheckpoint, TensorSpec
 from megarl.errors import UserError
 from megarl.models.architecture import Architecture
-from megarl.models.builder import build_model
+from megarl.models.builder import build_bridge, build_model
 from megarl.runtime.parallel import ParallelConfig
 
 
@@ -49,7 +49,7 @@ class MetaModel:
 def build_meta_model(arch: Architecture, hf_config, vocab: VocabInfo, dtype: torch.dtype) -> MetaModel:
     """Needs Megatron's parallel state for one process (see `single_process_megatron`)."""
     (chunk,) = build_model(arch, hf_config, ParallelConfig(), vocab, dtype, meta=True)
-    return MetaModel(chunk, ModelBridge(arch.mappings(hf_config), [chunk], vocab))
+    return MetaModel(chunk, build_bridge(arch, hf_config, [chunk], vocab))
 
 
 def check_checkpoint_matches(checkpoint: HFCheckpoint, expected: list[TensorSpec], config_path: str) -> None:

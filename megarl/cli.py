@@ -41,6 +41,8 @@ def _add_convert(commands) -> None:
     convert.add_argument("--tp", type=int, default=1, help="tensor-parallel size the checkpoint is written for")
     convert.add_argument("--pp", type=int, default=1, help="pipeline-parallel size the checkpoint is written for")
     convert.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per stage")
+    convert.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    convert.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
     convert.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="weights dtype (default: the source's)")
     convert.add_argument(
         "--vocab-multiple", type=int, default=128, help="pad the vocabulary to a multiple of this x tp"
@@ -60,15 +62,15 @@ def _run_convert(args: argparse.Namespace) -> int:
     if direction == ("hf", "mcore"):
         from converters.hf_to_mcore import convert_hf_to_mcore
 
-        parallel = ParallelConfig(tp=args.tp, pp=args.pp, vpp=args.vpp)
+        parallel = ParallelConfig(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
         report = convert_hf_to_mcore(
             args.src, args.dst, parallel, dtype, args.vocab_multiple, args.overwrite, not args.no_progress
         )
     elif direction == ("mcore", "hf"):
         from converters.mcore_to_hf import convert_mcore_to_hf
 
-        if (args.tp, args.pp, args.vpp) != (1, 1, 1):
-            print("megarl: note: --tp/--pp/--vpp have no effect with --to hf", file=sys.stderr)
+        if (args.tp, args.pp, args.vpp, args.ep, args.etp) != (1, 1, 1, 1, None):
+            print("megarl: note: --tp/--pp/--vpp/--ep/--etp have no effect with --to hf", file=sys.stderr)
         max_shard = parse_size(args.max_shard_size, "--max-shard-size")
         report = convert_mcore_to_hf(
             args.src, args.dst, dtype, max_shard, overwrite=args.overwrite, show_progress=not args.no_progress

@@ -10,9 +10,18 @@ import torch
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2)]
 
 
-def layout_id(layout: tuple[int, int, int]) -> str:
-    tp, pp, vpp = layout
-    return f"tp{tp}-pp{pp}" + (f"-vpp{vpp}" if vpp > 1 else "")
+def as_parallel(layout):
+    """(tp, pp, vpp) tuples for dense layouts, ParallelConfig for anything else."""
+    from megarl.runtime.parallel import ParallelConfig
+
+    return layout if isinstance(layout, ParallelConfig) else ParallelConfig(*layout)
+
+
+def layout_id(layout) -> str:
+    p = as_parallel(layout)
+    text = f"tp{p.tp}-pp{p.pp}" + (f"-vpp{p.vpp}" if p.vpp > 1 else "") + (f"-ep{p.ep}" if p.ep > 1 else "")
+    text += f"-etp{p.etp}" if p.etp is not None else ""
+    return text + ("-sp" if p.sequence_parallel else "")
 
 
 def sample_ids(vocab_size: int, batch: int = 2, seq: int = 48, seed: int = 0) -> torch.Tensor:
@@ -48,10 +57,9 @@ def megatron_logits(path: str, layout: tuple[int, int, int], input_ids: torch.Te
     """Load `path` (HF or megarl checkpoint) at `layout` in fp32; full logits from one last-stage rank."""
     from megarl.checkpoint.model_io import load_model
     from megarl.runtime.distributed import init_model_parallel
-    from megarl.runtime.parallel import ParallelConfig
     from megarl.runtime.pipeline import forward_logits
 
-    parallel = ParallelConfig(*layout)
+    parallel = as_parallel(layout)
     init_model_parallel(parallel)
     model = load_model(path, parallel, torch.float32)
     logits = forward_logits(model.chunks, input_ids, model.vocab.size)
@@ -63,9 +71,8 @@ def exported_weights(path: str, layout: tuple[int, int, int], bucket_bytes: int,
     from megarl.bridge.exporter import export_hf_weights
     from megarl.checkpoint.model_io import load_model
     from megarl.runtime.distributed import init_model_parallel
-    from megarl.runtime.parallel import ParallelConfig
 
-    parallel = ParallelConfig(*layout)
+    parallel = as_parallel(layout)
     init_model_parallel(parallel)
     model = load_model(path, parallel, getattr(torch, dtype))
     sent, bucket_sizes = [], []
@@ -79,8 +86,55 @@ def save_at_layout(path: str, layout: tuple[int, int, int], dst: str) -> None:
     """Load `path` at `layout` and save it as a megarl checkpoint from the live, sharded model."""
     from megarl.checkpoint.model_io import load_model, save_model
     from megarl.runtime.distributed import init_model_parallel
-    from megarl.runtime.parallel import ParallelConfig
 
-    parallel = ParallelConfig(*layout)
+    parallel = as_parallel(layout)
     init_model_parallel(parallel)
     save_model(load_model(path, parallel, torch.float32), dst)
+
+
+def megatron_routing(path: str, layout, input_ids: torch.Tensor):
+    """Load at `layout` and run forward; {global layer id: bool [tokens, experts]} of the experts each token was
+    routed to (tokens batch-major, as HF flattens them), from one TP/DP rank per pipeline stage."""
+    from megarl.checkpoint.model_io import load_model
+    from megarl.runtime.distributed import init_model_parallel
+    from megarl.runtime.pipeline import forward_logits
+
+    parallel = as_parallel(layout)
+    init_model_parallel(parallel)
+    model = load_model(path, parallel, torch.float32)
+    maps: dict[int, list[torch.Tensor]] = {}
+    for chunk in model.chunks:
+        for layer in chunk.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                layer_id = layer.layer_number - 1
+                # forward_logits feeds one sequence per micro-batch, in order: [seq, experts] each
+                router.register_forward_hook(lambda m, i, out, lid=layer_id: maps.setdefault(lid, []).append(out[1]))
+    forward_logits(model.chunks, input_ids, model.vocab.size)
+    if not _is_reporting_rank():
+        return None
+    return {layer_id: torch.cat(parts).bool() for layer_id, parts in maps.items()}
+
+
+def hf_routing(folder: Path, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """{layer id: bool [tokens, experts]} of the experts the HF model routes each token to."""
+    import functools
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    maps: dict[int, torch.Tensor] = {}
+
+    def record(layer_id, module, inputs, output):
+        indices = output[-1]  # [tokens, k] chosen experts
+        routing = torch.zeros(indices.shape[0], module.weight.shape[0], dtype=torch.bool)
+        maps[layer_id] = routing.scatter_(1, indices, True)
+
+    for name, module in model.named_modules():
+        match = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.gate", name)
+        if match:
+            module.register_forward_hook(functools.partial(record, int(match.group(1))))
+    with torch.no_grad():
+        model(input_ids)
+    return maps

@@ -21,9 +21,10 @@ def hf_config(name: str, **overrides):
 
 
 def test_unknown_model_type_lists_the_supported_ones():
-    with pytest.raises(UserError, match="model_type='gpt2' is not supported; supported: llama, qwen2, qwen3"):
+    supported = "deepseek_v3, llama, mixtral, qwen2, qwen3, qwen3_moe"
+    with pytest.raises(UserError, match=f"model_type='gpt2' is not supported; supported: {supported}"):
         get_architecture("gpt2")
-    assert supported_model_types() == ["llama", "qwen2", "qwen3"]
+    assert supported_model_types() == supported.split(", ")
 
 
 @pytest.mark.parametrize(
@@ -74,7 +75,7 @@ def test_unsupported_settings_are_refused(name, overrides, message):
     [
         (
             ParallelConfig(tp=3),
-            r"tp=3 does not divide num_attention_heads=4, num_key_value_heads=2 and intermediate_size=128; valid: 1, 2",
+            r"tp=3 does not divide num_attention_heads=4, num_key_value_heads=2, intermediate_size=128; valid: 1, 2",
         ),
         (ParallelConfig(tp=4), r"tp=4 does not divide .* valid: 1, 2"),
         (
@@ -86,12 +87,12 @@ def test_unsupported_settings_are_refused(name, overrides, message):
 )
 def test_impossible_layouts_name_the_valid_values(parallel, message):
     with pytest.raises(UserError, match=message):
-        check_parallel_layout(hf_config("tiny-llama"), parallel)
+        check_parallel_layout(get_architecture("llama"), hf_config("tiny-llama"), parallel)
 
 
 def test_possible_layouts_pass():
     for parallel in [ParallelConfig(tp=2, pp=2), ParallelConfig(pp=2, vpp=2), ParallelConfig(pp=4)]:
-        check_parallel_layout(hf_config("tiny-llama"), parallel)
+        check_parallel_layout(get_architecture("llama"), hf_config("tiny-llama"), parallel)
 
 
 @pytest.mark.parametrize(

@@ -73,7 +73,7 @@ CASES = {
     "unsupported model_type": (
         lambda s: set_config(s, model_type="gpt2") or s,
         [],
-        ["model_type='gpt2' is not supported", "llama, qwen2"],
+        ["model_type='gpt2' is not supported", "deepseek_v3, llama, mixtral"],
     ),
     "tp does not divide heads": (
         lambda s: s,

@@ -17,7 +17,7 @@ pytestmark = [
 
 def gpu_logits(path: str, input_ids: torch.Tensor):
     from megarl.checkpoint.model_io import load_model
-    from megarl.models.builder import transformer_engine_available
+    from megarl.models.specs import transformer_engine_available
     from megarl.runtime import cpu_compat
     from megarl.runtime.distributed import init_model_parallel
     from megarl.runtime.parallel import ParallelConfig

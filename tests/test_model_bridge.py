@@ -3,37 +3,46 @@
 from __future__ import annotations
 
 import pytest
-from helpers import LAYOUTS, layout_id
+from helpers import LAYOUTS, as_parallel, layout_id
 
 from megarl.bridge.buckets import BucketBuilder
+from megarl.runtime.parallel import ParallelConfig as P
 from megarl.testing.tiny_checkpoint import tiny_config
 
 
-def table_agrees_with_megatron(name: str, layout: tuple[int, int, int]) -> int:
-    """Rank side: every parameter's TP split dim is Megatron's partition_dim, and the layer ids the bridge reads
-    from the modules are Megatron's own stage offsets. Returns how many parameters were bound."""
+def table_agrees_with_megatron(name: str, layout) -> int:
+    """Rank side: every parameter's TP split dim is Megatron's partition_dim, the layer ids the bridge reads from
+    the modules are Megatron's own stage offsets, and expert ids are ep_rank * local experts + local id. Returns
+    how many parameters were bound."""
+    import re
+
+    from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
     from transformers import AutoConfig
 
     from megarl.bridge.mappings import VocabInfo, pad_vocab_size
-    from megarl.bridge.model_bridge import ModelBridge, chunk_layer_ids
-    from megarl.models.builder import build_model
+    from megarl.bridge.model_bridge import chunk_layer_ids
+    from megarl.models.builder import build_bridge, build_model
     from megarl.models.registry import get_architecture
     from megarl.runtime.distributed import init_model_parallel
-    from megarl.runtime.parallel import ParallelConfig
 
-    parallel = ParallelConfig(*layout)
+    parallel = as_parallel(layout)
     init_model_parallel(parallel)
     raw = tiny_config(name)
     config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     arch = get_architecture(config.model_type)
     vocab = VocabInfo(config.vocab_size, pad_vocab_size(config.vocab_size, 128, parallel.tp))
     chunks = build_model(arch, config, parallel, vocab, meta=True)
-    bridge = ModelBridge(arch.mappings(config), chunks, vocab)
+    bridge = build_bridge(arch, config, chunks, vocab)
     for binding in bridge.bindings:  # (ModelBridge checks this too; here it must also have been set at all)
         param = binding.param
         if binding.mapping.tp_dim is not None:
             assert param.tensor_model_parallel and param.partition_dim == binding.mapping.tp_dim, binding.param_name
+    local_experts = (arch.moe.num_experts(config) // parallel.ep) if arch.moe else 0
+    for binding in (b for b in bridge.bindings if b.expert):
+        local = int(re.search(r"local_experts\.(\d+)\.", binding.param_name).group(1))
+        expected = ps.get_expert_model_parallel_rank() * local_experts + local
+        assert all(f".experts.{expected}." in hf_name for hf_name in binding.hf_names), binding
     for vp_stage, chunk in enumerate(chunks):
         offset = get_transformer_layer_offset(chunk.config, vp_stage=vp_stage if parallel.vpp > 1 else None)
         ids = chunk_layer_ids(chunk)
@@ -46,6 +55,23 @@ def table_agrees_with_megatron(name: str, layout: tuple[int, int, int]) -> int:
 def test_weight_table_agrees_with_megatron(ranks4, name, layout):
     counts = ranks4.run(table_agrees_with_megatron, name, layout)
     assert all(count > 0 for count in counts)
+
+
+@pytest.mark.parametrize("layout", [P(tp=2, ep=2), P(pp=2, ep=2), P(ep=4), P(tp=2, pp=2, ep=2, etp=1)], ids=layout_id)
+@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-deepseek-v3-lite"])
+def test_moe_weight_table_agrees_with_megatron(ranks4, name, layout):
+    counts = ranks4.run(table_agrees_with_megatron, name, layout)
+    assert all(count > 0 for count in counts)
+
+
+def test_skeletons_match_sequential_and_grouped_experts():
+    from megarl.bridge.model_bridge import _skeleton, _template_regex
+
+    template = "decoder.layers.{layer}.mlp.experts.linear_fc1.weight{expert}"
+    assert _skeleton(template) == _skeleton("decoder.layers.3.mlp.experts.linear_fc1.weight12")
+    assert _skeleton("decoder.layers.0.mlp.linear_fc1.weight") != _skeleton("decoder.layers.0.mlp.linear_fc2.weight")
+    match = _template_regex(template).fullmatch("decoder.layers.3.mlp.experts.linear_fc1.weight12")
+    assert match.groupdict() == {"layer": "3", "expert": "12"}
 
 
 def test_bucket_builder_bounds_buckets():

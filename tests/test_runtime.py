@@ -30,6 +30,8 @@ def compat_facts() -> dict:
     facts["to_cuda"] = str(t.to("cuda:0").device)
     facts["to_device_obj"] = str(t.to(torch.device("cuda", 0)).device)
     facts["cuda_is_identity"] = t.cuda() is t
+    with torch.device(torch.cuda.current_device()):
+        facts["device_context"] = str(torch.zeros(1).device)
     facts["dtype_to_untouched"] = t.to(torch.float16).dtype == torch.float16
     torch.cuda.synchronize()
 
@@ -77,6 +79,7 @@ def test_cpu_compat_redirects_cuda_uses(ranks1):
         "to_cuda": "cpu",
         "to_device_obj": "cpu",
         "cuda_is_identity": True,
+        "device_context": "cpu",
         "dtype_to_untouched": True,
         "te_general_gemm": None,
         "mla_have_te": False,

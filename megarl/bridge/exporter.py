@@ -2,8 +2,9 @@
 
 Contract (DESIGN.md): the union of the buckets over all sending ranks is exactly the HF checkpoint, each tensor
 once, in its HF dtype. TP shards are gathered to the TP group's first rank, which sends; each pipeline stage sends
-its own layers; only the first data-parallel (and context-parallel) replica takes part, the others hold copies.
-Memory beyond the model: one bucket plus the tensor being gathered.
+its own layers; each expert-parallel rank sends its own experts (gathered over expert TP). Of the replicas holding
+the same weights, only the first takes part: data-parallel (and context-parallel) rank 0 for dense weights,
+expert-data-parallel rank 0 for experts. Memory beyond the model: one bucket plus the tensor being gathered.
 """
 
 from __future__ import annotations
@@ -23,13 +24,27 @@ def _dtype_lookup(hf_dtypes: torch.dtype | Mapping[str, torch.dtype]) -> Callabl
     return hf_dtypes.__getitem__
 
 
-def _gather_tp(binding: Binding, tp_size: int, group) -> list[torch.Tensor]:
+def _gather_shards(binding: Binding, size: int, group) -> list[torch.Tensor]:
     param = binding.param.detach()
-    if binding.mapping.tp_dim is None or tp_size == 1:
+    if binding.mapping.tp_dim is None or size == 1:
         return [param]
-    shards = [torch.empty_like(param) for _ in range(tp_size)]
+    shards = [torch.empty_like(param) for _ in range(size)]
     dist.all_gather(shards, param.contiguous(), group=group)
     return shards
+
+
+class _Roles:
+    """Who gathers and who sends, for dense and for expert weights. Every member of a gather group makes the same
+    choice, so the collectives stay matched."""
+
+    def __init__(self):
+        from megatron.core import parallel_state as ps
+
+        self.dense = (ps.get_data_parallel_rank(with_context_parallel=True) == 0, ps.get_tensor_model_parallel_group())
+        self.expert = (ps.get_expert_data_parallel_rank() == 0, ps.get_expert_tensor_parallel_group())
+
+    def of(self, binding: Binding) -> tuple[bool, object]:
+        return self.expert if binding.expert else self.dense
 
 
 def export_hf_weights(
@@ -43,22 +58,19 @@ def export_hf_weights(
     inside it are collectives. Yielded tensors may share memory with the parameters: consume a bucket before the
     parameters change.
     """
-    from megatron.core import parallel_state
-
-    if parallel_state.get_data_parallel_rank(with_context_parallel=True) != 0:
-        return
-    sender = bridge.tp_rank == 0
-    group = parallel_state.get_tensor_model_parallel_group()
+    roles = _Roles()
     dtype_of = _dtype_lookup(hf_dtypes)
     builder = BucketBuilder(bucket_bytes)
     for binding in bridge.bindings:
-        if not binding.mapping.export:
+        participates, group = roles.of(binding)
+        if not binding.mapping.export or not participates:
             continue
-        shards = _gather_tp(binding, bridge.tp_size, group)
-        if not sender:
+        rank, size = bridge.tp_rank_and_size(binding)
+        shards = _gather_shards(binding, size, group)
+        if rank != 0:
             continue
         for name, tensor in bridge.to_hf(binding, binding.mapping.unshard(shards), dtype_of):
             if (bucket := builder.add(name, tensor)) is not None:
                 yield bucket
-    if sender and (bucket := builder.flush()) is not None:
+    if (bucket := builder.flush()) is not None:
         yield bucket

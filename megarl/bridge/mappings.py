@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+TP_DIM_FROM_MODEL = "from-model"
+"""A `tp_dim` meaning: split as the Megatron parameter says (its layout differs between layer specs)."""
+
 
 @dataclass(frozen=True)
 class VocabInfo:
@@ -40,8 +43,9 @@ class Mapping:
     """Megatron parameter name (local spec naming); "{layer}" stands for the decoder layer index."""
     hf: tuple[str, ...]
     """HF checkpoint tensor names, in the order `hf_to_mcore` takes them."""
-    tp_dim: int | None = None
-    """Dimension split across tensor-parallel ranks; None when every TP rank holds the whole tensor."""
+    tp_dim: int | str | None = None
+    """Dimension split across tensor-parallel ranks; None when every TP rank holds the whole tensor;
+    TP_DIM_FROM_MODEL to take it from the parameter when it is bound."""
     export: bool = True
     """False for import-only aliases (a tied output layer reads the embedding but is never written back)."""
 

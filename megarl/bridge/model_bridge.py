@@ -1,8 +1,9 @@
 """An architecture's weight table bound to the parameters of one rank's Megatron-Core model chunks.
 
-Binding is driven by the model: every parameter of every chunk finds exactly one mapping (a parameter without one
-is a bug in the table, reported at once). Layer ids come from the modules themselves (`layer_number` is global),
-so every pipeline layout Megatron supports, virtual stages and uneven first/last stages included, binds correctly.
+Binding is driven by the model: every parameter (and persistent buffer, e.g. the router's expert bias) of every
+chunk finds exactly one mapping; one without is a bug in the table, reported at once. Global ids come from the
+modules themselves: a decoder layer's `layer_number` (so every pipeline layout Megatron supports binds correctly)
+and an MoE layer's `local_expert_indices` (expert parallelism: global id = ep_rank * local experts + local id).
 """
 
 from __future__ import annotations
@@ -10,29 +11,23 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping as MappingType
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from megarl.bridge.mappings import Mapping, VocabInfo
+from megarl.bridge.mappings import TP_DIM_FROM_MODEL, Mapping, VocabInfo
 from megarl.errors import UserError
 
-_INDEX = re.compile(r"\.(\d+)\.")
+# indices inside Megatron names: whole dot-separated segments ('layers.3.'), or numbered grouped-GEMM weights
+# ('linear_fc1.weight3'); placeholders in templates ('{layer}', 'weight{expert}')
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.)|(?<=\.weight)\d+$|(?<=\.bias)\d+$")
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
 def _skeleton(name: str) -> str:
     """A name with its indices blanked: 'decoder.layers.3.mlp.x' and 'decoder.layers.{layer}.mlp.x' agree."""
-    return _PLACEHOLDER.sub("#", _INDEX.sub(".#.", name))
-
-
-def _te_renames() -> dict[str, str]:
-    """Transformer Engine's fused norm+linear modules own the layer norms under other names. Megatron's local spec
-    declares the correspondence (for checkpoint compatibility); invert it to read TE names as local ones."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    keys_map = get_gpt_layer_local_spec().submodules.sharded_state_dict_keys_map
-    return {te: local for local, te in keys_map.items()}
+    return _PLACEHOLDER.sub("#", _INDEX.sub("#", name))
 
 
 @dataclass(frozen=True)
@@ -41,12 +36,17 @@ class Binding:
 
     mapping: Mapping
     param_name: str
-    """Parameter name inside its chunk (local layer index)."""
+    """Parameter name inside its chunk (local layer and expert indices)."""
     hf_names: tuple[str, ...]
-    """HF tensor names (global layer index)."""
+    """HF tensor names (global layer and expert indices)."""
     chunk: int
     """Index of the virtual pipeline chunk that holds the parameter."""
-    param: torch.nn.Parameter = field(compare=False, repr=False)
+    param: torch.Tensor = field(compare=False, repr=False)
+
+    @property
+    def expert(self) -> bool:
+        """Expert weights are split by expert tensor parallelism (ETP), the rest by tensor parallelism."""
+        return "{expert}" in self.mapping.mcore
 
 
 def chunk_layer_ids(chunk) -> list[int]:
@@ -55,41 +55,74 @@ def chunk_layer_ids(chunk) -> list[int]:
     return [layer.layer_number - 1 for layer in decoder.layers] if decoder is not None else []
 
 
-class ModelBridge:
-    """The weight table of an architecture, bound to this rank's chunks; converts tensors both ways."""
+def _global_ids(chunk, local: dict[str, str]) -> dict[str, int]:
+    ids: dict[str, int] = {}
+    if "layer" in local:
+        layer = chunk.decoder.layers[int(local["layer"])]
+        ids["layer"] = layer.layer_number - 1
+        if "expert" in local:
+            ids["expert"] = layer.mlp.local_expert_indices[int(local["expert"])]
+    return ids
 
-    def __init__(self, mappings: Sequence[Mapping], chunks: Sequence[torch.nn.Module], vocab: VocabInfo):
+
+def _state_tensors(chunk) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and persistent buffers, as a checkpoint holds them (not Megatron's `_extra_state` objects)."""
+    return [(n, t) for n, t in chunk.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)]
+
+
+class ModelBridge:
+    """The weight table of an architecture, bound to this rank's chunks; converts tensors both ways.
+
+    param_aliases: name parts a layer spec uses for parameters the table names otherwise (Transformer Engine's
+    fused norms), mapped to the table's spelling.
+    """
+
+    def __init__(
+        self,
+        mappings: Sequence[Mapping],
+        chunks: Sequence[torch.nn.Module],
+        vocab: VocabInfo,
+        param_aliases: MappingType[str, str] | None = None,
+    ):
+        from megatron.core import parallel_state as ps
+
         self.vocab = vocab
-        self.tp_rank, self.tp_size = _tp_rank_and_size()
+        self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        self.etp_rank = ps.get_expert_tensor_parallel_rank()
+        self.etp_size = ps.get_expert_tensor_parallel_world_size()
+        self._aliases = dict(param_aliases or {})
         self._by_skeleton: dict[str, Mapping] = {}
         for mapping in mappings:
             if self._by_skeleton.setdefault(_skeleton(mapping.mcore), mapping) is not mapping:
                 raise RuntimeError(f"the weight table maps {mapping.mcore} twice")
-        self._te_renames = _te_renames()
         self.bindings: list[Binding] = [
-            self._bind(name, param, index, chunk_layer_ids(chunk))
+            self._bind(name, tensor, index, chunk)
             for index, chunk in enumerate(chunks)
-            for name, param in chunk.named_parameters()
+            for name, tensor in _state_tensors(chunk)
         ]
 
     def _canonical(self, name: str) -> str:
-        for te_part, local_part in self._te_renames.items():
-            if te_part in name:
-                return name.replace(te_part, local_part)
+        for alias, canonical in self._aliases.items():
+            if alias in name:
+                return name.replace(alias, canonical)
         return name
 
-    def _bind(self, name: str, param: torch.nn.Parameter, chunk: int, layer_ids: list[int]) -> Binding:
+    def _bind(self, name: str, param: torch.Tensor, chunk_index: int, chunk) -> Binding:
         canonical = self._canonical(name)
         mapping = self._by_skeleton.get(_skeleton(canonical))
         if mapping is None:
             raise RuntimeError(f"Megatron parameter {name!r} has no mapping in the architecture's weight table")
         split = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+        if mapping.tp_dim == TP_DIM_FROM_MODEL:
+            mapping = replace(mapping, tp_dim=split)
         if mapping.tp_dim != split:
             raise RuntimeError(f"{name}: the weight table splits dim {mapping.tp_dim} across TP, Megatron dim {split}")
         local = _template_regex(mapping.mcore).fullmatch(canonical).groupdict()
-        # Megatron names count layers within the chunk; HF names count them across the whole model.
-        global_ids = {"layer": layer_ids[int(local["layer"])]} if "layer" in local else {}
-        return Binding(mapping, name, mapping.hf_names(**global_ids), chunk, param)
+        # Megatron names count layers within the chunk and experts within the EP rank; HF names count globally.
+        return Binding(mapping, name, mapping.hf_names(**_global_ids(chunk, local)), chunk_index, param)
+
+    def tp_rank_and_size(self, binding: Binding) -> tuple[int, int]:
+        return (self.etp_rank, self.etp_size) if binding.expert else (self.tp_rank, self.tp_size)
 
     # -- tensor conversion, shared by live import/export and the offline converter --------------------------------
 
@@ -106,11 +139,12 @@ class ModelBridge:
         return [(name, t.to(dtype_of(name)).contiguous()) for name, t in zip(binding.hf_names, tensors)]
 
     def local_shard(self, binding: Binding, full: torch.Tensor) -> torch.Tensor:
-        local = binding.mapping.shard(full, self.tp_rank, self.tp_size)
+        rank, size = self.tp_rank_and_size(binding)
+        local = binding.mapping.shard(full, rank, size)
         if local.shape != binding.param.shape:
             raise UserError(
                 f"{', '.join(binding.hf_names)} give {binding.param_name} the shape {tuple(local.shape)} on TP rank "
-                f"{self.tp_rank}/{self.tp_size}, but the model built from config.json expects "
+                f"{rank}/{size}, but the model built from config.json expects "
                 f"{tuple(binding.param.shape)}: do the weights belong to this config?"
             )
         return local
@@ -124,9 +158,3 @@ def _template_regex(template: str) -> re.Pattern:
     """'decoder.layers.{layer}.x' -> a regex capturing the index as group 'layer'."""
     parts = re.split(r"\{(\w+)\}", template)
     return re.compile("".join(re.escape(p) if i % 2 == 0 else f"(?P<{p}>\\d+)" for i, p in enumerate(parts)))
-
-
-def _tp_rank_and_size() -> tuple[int, int]:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()

@@ -4,6 +4,8 @@
       megarl.json        what the checkpoint holds: architecture, vocabulary padding, dtype, layout written at
       hf_tensors.json    the source HF checkpoint's tensors (name, dtype, shape), in order: export reproduces them
       hf/                config.json, generation_config.json, tokenizer and other non-weight files of the HF model
+      hf_extra/          (optional) HF tensors the Megatron model does not hold, carried through unchanged
+                         (DeepSeek-V3's multi-token-prediction layers), as safetensors
       model/             Megatron-Core torch_dist checkpoint (metadata.json is written last: present = complete)
 
 The Megatron checkpoint stores global tensors, so it loads at any TP/PP/VPP layout whose TP divides the padded
@@ -18,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megarl.bridge.mappings import VocabInfo
-from megarl.bridge.safetensors_io import TensorSpec
+from megarl.bridge.safetensors_io import HFCheckpoint, ShardedSafetensorsWriter, TensorSpec
 from megarl.errors import UserError
 from megarl.models.hf_config import dtype_name, parse_dtype
 
@@ -27,6 +29,7 @@ FORMAT_VERSION = 1
 INFO_FILE = "megarl.json"
 MANIFEST_FILE = "hf_tensors.json"
 HF_DIR = "hf"
+EXTRA_DIR = "hf_extra"
 MODEL_DIR = "model"
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -110,3 +113,14 @@ def copy_hf_side_files(src: Path, dst: Path) -> list[str]:
             shutil.copy2(path, dst / path.name)
             copied.append(path.name)
     return copied
+
+
+def write_hf_tensors(
+    folder: Path, checkpoint: HFCheckpoint, names: list[str], max_shard_bytes: int = 5 * 10**9
+) -> None:
+    """Copy some tensors of a HF checkpoint, unchanged, into a safetensors folder (one tensor in memory at a time)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    writer = ShardedSafetensorsWriter(folder, [checkpoint.spec(name) for name in names], max_shard_bytes)
+    for name in names:
+        writer.write(name, checkpoint.get(name))
+    writer.close()

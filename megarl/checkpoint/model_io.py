@@ -20,6 +20,7 @@ from megarl.bridge.model_bridge import ModelBridge
 from megarl.bridge.safetensors_io import HFCheckpoint, TensorSpec
 from megarl.checkpoint.dist_io import check_loadable, load_model_weights, save_model_weights
 from megarl.checkpoint.model_dir import (
+    EXTRA_DIR,
     HF_DIR,
     INFO_FILE,
     MODEL_DIR,
@@ -27,10 +28,11 @@ from megarl.checkpoint.model_dir import (
     copy_hf_side_files,
     load_manifest,
     save_manifest,
+    write_hf_tensors,
 )
 from megarl.checkpoint.staging import check_destination
 from megarl.models.architecture import Architecture
-from megarl.models.builder import build_model
+from megarl.models.builder import build_bridge, build_model
 from megarl.models.hf_config import config_dtype, dtype_name, load_hf_config, read_config_json
 from megarl.models.layout import check_parallel_layout
 from megarl.models.registry import get_architecture
@@ -48,6 +50,8 @@ class LoadedModel:
     vocab: VocabInfo
     hf_dir: Path
     """Folder with the HF config and tokenizer files."""
+    source: Path
+    """What the model was loaded from: a HF folder or a megarl checkpoint folder."""
     hf_specs: list[TensorSpec] = field(default_factory=list)
     """The source HF checkpoint's tensors (name, dtype, shape): what an export must reproduce."""
 
@@ -74,7 +78,7 @@ def load_model(
     if is_megarl_checkpoint(path):
         info = ModelCheckpointInfo.load(path)
         check_loadable(info, parallel)
-        model = _build(path / HF_DIR, parallel, dtype, lambda hf_config: info.vocab)
+        model = _build(path, path / HF_DIR, parallel, dtype, lambda hf_config: info.vocab)
         load_model_weights(model.chunks, path / MODEL_DIR)
         model.hf_specs = load_manifest(path) or []
         return model
@@ -83,21 +87,24 @@ def load_model(
     def vocab_of(hf_config) -> VocabInfo:
         return VocabInfo(hf_config.vocab_size, pad_vocab_size(hf_config.vocab_size, vocab_multiple, parallel.tp))
 
-    model = _build(path, parallel, dtype, vocab_of)
+    model = _build(path, path, parallel, dtype, vocab_of)
     checkpoint = HFCheckpoint(path)
     load_hf_weights(model.bridge, checkpoint)
-    model.hf_specs = checkpoint.specs()
+    arch, hf_config = model.arch, model.hf_config
+    model.hf_specs = [
+        spec for spec in checkpoint.specs() if not arch.is_mtp(spec.name, hf_config) and not arch.is_derived(spec.name)
+    ]
     return model
 
 
-def _build(hf_dir: Path, parallel: ParallelConfig, dtype: torch.dtype, vocab_of) -> LoadedModel:
+def _build(source: Path, hf_dir: Path, parallel: ParallelConfig, dtype: torch.dtype, vocab_of) -> LoadedModel:
     hf_config = load_hf_config(hf_dir)
     arch = get_architecture(hf_config.model_type)
-    check_parallel_layout(hf_config, parallel)
+    check_parallel_layout(arch, hf_config, parallel)
     vocab = vocab_of(hf_config)
     chunks = build_model(arch, hf_config, parallel, vocab, dtype)
-    bridge = ModelBridge(arch.mappings(hf_config), chunks, vocab)
-    return LoadedModel(chunks, bridge, arch, hf_config, vocab, hf_dir)
+    bridge = build_bridge(arch, hf_config, chunks, vocab)
+    return LoadedModel(chunks, bridge, arch, hf_config, vocab, hf_dir, source)
 
 
 def save_model(model: LoadedModel, folder: str | Path, overwrite: bool = False) -> Path:
@@ -110,6 +117,7 @@ def save_model(model: LoadedModel, folder: str | Path, overwrite: bool = False) 
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / MODEL_DIR).mkdir(parents=True)
         copy_hf_side_files(model.hf_dir, tmp / HF_DIR)
+        _carry_extra_tensors(model, tmp / EXTRA_DIR)
         save_manifest(tmp, model.hf_specs)
         ModelCheckpointInfo(
             architecture=model.arch.name,
@@ -130,11 +138,25 @@ def save_model(model: LoadedModel, folder: str | Path, overwrite: bool = False) 
     return folder
 
 
+def _carry_extra_tensors(model: LoadedModel, folder: Path) -> None:
+    """Tensors the Megatron model does not hold (multi-token prediction) go from the source into the new folder."""
+    if is_megarl_checkpoint(model.source):
+        if (model.source / EXTRA_DIR).is_dir():
+            shutil.copytree(model.source / EXTRA_DIR, folder)
+        return
+    checkpoint = HFCheckpoint(model.source)
+    carried = [name for name in checkpoint.names if model.arch.is_mtp(name, model.hf_config)]
+    if carried:
+        write_hf_tensors(folder, checkpoint, carried)
+
+
 def _current_layout() -> dict[str, int]:
     from megatron.core import parallel_state as ps
 
-    return {
-        "tp": ps.get_tensor_model_parallel_world_size(),
-        "pp": ps.get_pipeline_model_parallel_world_size(),
-        "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
-    }
+    return ParallelConfig(
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+        ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size() if ps.get_expert_model_parallel_world_size() > 1 else None,
+    ).layout_dict()

@@ -1,39 +1,36 @@
 """Build the Megatron-Core model chunks of one rank for a HF checkpoint's architecture.
 
 The parallel layout comes in from outside (Megatron's parallel state must be initialized); the architecture entry
-says what the model is. Local (non-TE) layer specs on CPU, Transformer Engine specs where TE and CUDA exist.
+says what the model is. Layer specs: see models/specs.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from contextlib import nullcontext
-from typing import Literal
 
 import torch
 
 from megarl.bridge.mappings import VocabInfo
 from megarl.models.architecture import Architecture, McoreModelSpec
+from megarl.models.specs import TE_TO_LOCAL, SpecBackend, decoder_block_spec, uses_transformer_engine
 from megarl.runtime.parallel import ParallelConfig
 
-SpecBackend = Literal["auto", "local", "te"]
+
+def _runtime_kwargs(spec: McoreModelSpec, backend: SpecBackend) -> dict:
+    """Settings that depend on the machine rather than the model."""
+    kwargs: dict = {"use_cpu_initialization": not torch.cuda.is_available()}
+    if spec.moe:
+        # all-to-all dispatch needs CUDA streams; grouped GEMMs need Transformer Engine.
+        kwargs["moe_token_dispatcher_type"] = "alltoall" if torch.cuda.is_available() else "allgather"
+        kwargs["moe_grouped_gemm"] = uses_transformer_engine(backend)
+    return kwargs
 
 
-def transformer_engine_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
-
-
-def layer_spec(qk_norm: bool, backend: SpecBackend = "auto"):
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    if backend == "te" or (backend == "auto" and transformer_engine_available()):
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
-
-
-def build_transformer_config(spec: McoreModelSpec, parallel: ParallelConfig, dtype: torch.dtype, **overrides):
+def build_transformer_config(
+    spec: McoreModelSpec, parallel: ParallelConfig, dtype: torch.dtype, backend: SpecBackend = "auto", **overrides
+):
     """Megatron's TransformerConfig: the model's own fields plus the layout, precision and device settings."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     kwargs = dict(
         spec.config_kwargs,
@@ -43,10 +40,10 @@ def build_transformer_config(spec: McoreModelSpec, parallel: ParallelConfig, dty
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        **_runtime_kwargs(spec, backend),
     )
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if spec.mla else TransformerConfig)(**kwargs)
 
 
 def build_model(
@@ -70,23 +67,31 @@ def build_model(
     from megatron.core.models.gpt import GPTModel
 
     spec = arch.to_mcore(hf_config)
+    backend = "local" if meta else spec_backend
     overrides = {"use_cpu_initialization": True} if meta else {}
-    config = build_transformer_config(spec, parallel, dtype, **overrides)
-    transformer_layer_spec = layer_spec(spec.qk_norm, "local" if meta else spec_backend)
+    config = build_transformer_config(spec, parallel, dtype, backend, **overrides)
     chunks = []
     for vp_stage in range(parallel.vpp):
         stage = vp_stage if parallel.vpp > 1 else None
         with torch.device("meta") if meta else nullcontext():
             model = GPTModel(
                 config,
-                transformer_layer_spec,
+                decoder_block_spec(config, backend, stage),
                 vocab_size=vocab.padded_size,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
                 vp_stage=stage,
                 **spec.gpt_kwargs,
             )
-        # Megatron's rotary embedding knows fewer scaling schemes than HF: use the checkpoint's own frequencies.
-        model.rotary_pos_emb.inv_freq = spec.rope_inv_freq.to(model.rotary_pos_emb.inv_freq.device)
+        if spec.rope_inv_freq is not None:
+            # Megatron's rotary embedding knows fewer scaling schemes than HF: use the checkpoint's own frequencies.
+            model.rotary_pos_emb.inv_freq = spec.rope_inv_freq.to(model.rotary_pos_emb.inv_freq.device)
         chunks.append(model)
     return chunks
+
+
+def build_bridge(arch: Architecture, hf_config, chunks: list, vocab: VocabInfo):
+    """The architecture's weight table bound to `chunks` (whichever layer spec built them)."""
+    from megarl.bridge.model_bridge import ModelBridge
+
+    return ModelBridge(arch.mappings(hf_config), chunks, vocab, param_aliases=TE_TO_LOCAL)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from megarl.errors import UserError
+from megarl.models.architecture import Architecture
 from megarl.models.hf_config import num_kv_heads
 from megarl.runtime.parallel import ParallelConfig
 
@@ -13,19 +14,31 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_parallel_layout(hf_config, parallel: ParallelConfig, prefix: str = "") -> None:
+def _check_divides(size: int, key: str, dims: dict[str, int]) -> None:
+    if any(value % size for value in dims.values()):
+        listed = ", ".join(f"{name}={value}" for name, value in dims.items())
+        valid = ", ".join(map(str, _divisors(math.gcd(*dims.values()))))
+        raise UserError(f"{key}={size} does not divide {listed}; valid: {valid}")
+
+
+def check_parallel_layout(arch: Architecture, hf_config, parallel: ParallelConfig, prefix: str = "") -> None:
     """Raise a UserError naming the axis (as `{prefix}tp` etc.) when the layout cannot split this model."""
-    heads, kv_heads = hf_config.num_attention_heads, num_kv_heads(hf_config)
-    ffn, layers = hf_config.intermediate_size, hf_config.num_hidden_layers
     # Megatron splits whole attention heads, whole KV groups and the MLP width across TP ranks.
-    if heads % parallel.tp or kv_heads % parallel.tp or ffn % parallel.tp:
-        valid = _divisors(math.gcd(heads, kv_heads, ffn))
-        raise UserError(
-            f"{prefix}tp={parallel.tp} does not divide num_attention_heads={heads}, num_key_value_heads={kv_heads} "
-            f"and intermediate_size={ffn}; valid: {', '.join(map(str, valid))}"
-        )
-    stages = parallel.pp * parallel.vpp
-    if layers % stages:
+    tp_dims = {"num_attention_heads": hf_config.num_attention_heads}
+    if not arch.mla:
+        tp_dims["num_key_value_heads"] = num_kv_heads(hf_config)
+    if arch.moe is None or not all(arch.moe.sparse_layers(hf_config)):
+        tp_dims["intermediate_size"] = hf_config.intermediate_size
+    _check_divides(parallel.tp, f"{prefix}tp", tp_dims)
+    if arch.moe is not None:
+        experts = {arch.moe.num_experts_key: arch.moe.num_experts(hf_config)}
+        _check_divides(parallel.ep, f"{prefix}ep", experts)
+        etp = parallel.etp if parallel.etp is not None else parallel.tp
+        _check_divides(etp, f"{prefix}etp", {arch.moe.expert_ffn_key: int(getattr(hf_config, arch.moe.expert_ffn_key))})
+    elif parallel.ep > 1:
+        raise UserError(f"{prefix}ep={parallel.ep} needs a mixture-of-experts model; {arch.name} is dense: use 1")
+    layers = hf_config.num_hidden_layers
+    if layers % (parallel.pp * parallel.vpp):
         valid_pp = [p for p in _divisors(layers) if layers % (p * parallel.vpp) == 0]
         raise UserError(
             f"{prefix}pp={parallel.pp} x {prefix}vpp={parallel.vpp} does not divide num_hidden_layers={layers} "

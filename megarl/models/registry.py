@@ -4,17 +4,47 @@ from __future__ import annotations
 
 from megarl.errors import UserError
 from megarl.models.architecture import Architecture
+from megarl.models.moe import MoE, after_first_k_dense, every_layer, qwen_sparse_layers
 
 _SLIDING = "sliding-window attention is not implemented by Megatron-Core's local attention"
 
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch
     for arch in [
-        Architecture("llama", hf_model_types=("llama",)),
+        Architecture("llama", ("llama",)),
+        Architecture("qwen2", ("qwen2",), qkv_bias_always=True, unsupported={"use_sliding_window": _SLIDING}),
+        Architecture("qwen3", ("qwen3",), qk_norm=True, unsupported={"use_sliding_window": _SLIDING}),
         Architecture(
-            "qwen2", hf_model_types=("qwen2",), qkv_bias_always=True, unsupported={"use_sliding_window": _SLIDING}
+            "mixtral",
+            ("mixtral",),
+            moe=MoE(
+                num_experts_key="num_local_experts",
+                expert_ffn_key="intermediate_size",
+                hf_block="block_sparse_moe",
+                hf_expert_names=("w1", "w3", "w2"),
+                sparse_layers=every_layer,
+            ),
+            unsupported={"sliding_window": _SLIDING},
         ),
-        Architecture("qwen3", hf_model_types=("qwen3",), qk_norm=True, unsupported={"use_sliding_window": _SLIDING}),
+        Architecture(
+            "qwen3_moe",
+            ("qwen3_moe",),
+            qk_norm=True,
+            moe=MoE(num_experts_key="num_experts", sparse_layers=qwen_sparse_layers),
+            unsupported={"use_sliding_window": _SLIDING},
+        ),
+        Architecture(
+            "deepseek_v3",
+            ("deepseek_v3",),
+            mla=True,
+            moe=MoE(
+                num_experts_key="n_routed_experts",
+                score="sigmoid",
+                sparse_layers=after_first_k_dense,
+                shared_experts_key="n_shared_experts",
+            ),
+            mtp_layers_key="num_nextn_predict_layers",
+        ),
     ]
 }
 

@@ -4,8 +4,8 @@ Megatron-Core assumes a GPU in a handful of places. Each entry below redirects o
 else in megarl knows about it. `activate()` does nothing when CUDA is present, and is idempotent.
 
 What is redirected, and why:
-- tensor factories and `.to()` / `.cuda()` with a CUDA device (causal masks, pipeline-schedule counters, rotary
-  frequencies): one `TorchFunctionMode` maps every CUDA device argument to the CPU.
+- tensor factories, `torch.device(...)` and `.to()` / `.cuda()` with a CUDA device (causal masks, pipeline-schedule
+  counters, rotary frequencies): one `TorchFunctionMode` maps every CUDA device argument to the CPU.
 - `torch.cuda.current_device()` answers 0 (instead of raising), which the mode above then maps to the CPU.
 - the CUDA RNG (`torch.cuda.manual_seed`, `get/set_rng_state`, Megatron's `tensor_parallel.random` helpers) becomes
   the CPU generator, so Megatron's RNG tracker forks CPU states the way it forks CUDA states on a GPU.
@@ -41,6 +41,8 @@ class CudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.device and args and _is_cuda_device(args[0]):
+            return torch.device("cpu")  # e.g. `with torch.device(torch.cuda.current_device()):`
         if func is torch.Tensor.cuda:
             return args[0]
         if func in (torch.Tensor.pin_memory,):

@@ -55,3 +55,10 @@ class ParallelConfig:
             expert_model_parallel_size=self.ep,
             expert_tensor_parallel_size=self.etp,
         )
+
+    def layout_dict(self) -> dict[str, int]:
+        """The layout as recorded in checkpoints: the axes that are split (expert axes only when used)."""
+        layout = {"tp": self.tp, "pp": self.pp, "vpp": self.vpp}
+        if self.ep > 1 or self.etp is not None:
+            layout.update(ep=self.ep, etp=self.etp if self.etp is not None else self.tp)
+        return layout

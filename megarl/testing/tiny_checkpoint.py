@@ -30,8 +30,8 @@ def make_hf_checkpoint(
 ) -> Path:
     """Build a random model from `config` (a name under configs/models/ or a config dict) and save it.
 
-    One-dimensional weights (norms, biases) are randomized too: HF initializes them to ones and zeros, which would
-    let a mapping that swaps two norms pass every numeric check.
+    One-dimensional weights and buffers (norms, biases, DeepSeek's expert-selection bias) are randomized too: HF
+    initializes them to ones and zeros, which would let a mapping that swaps two norms pass every numeric check.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -41,10 +41,15 @@ def make_hf_checkpoint(
     hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config)
+    saved = model.state_dict()
     with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.add_(torch.randn_like(param) * 0.2)
+        for tensor in model.parameters():
+            if tensor.dim() == 1:
+                tensor.add_(torch.randn_like(tensor) * 0.2)
+        for name, tensor in model.named_buffers():
+            if tensor.dim() == 1 and tensor.is_floating_point() and name in saved:
+                # small: a large expert-selection bias would starve whole expert groups of tokens
+                tensor.add_(torch.randn_like(tensor) * 0.02)
     model = model.to(dtype)
     out_dir = Path(out_dir)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}

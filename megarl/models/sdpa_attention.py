@@ -1,0 +1,68 @@
+"""Core attention on torch's scaled_dot_product_attention, for Megatron-Core layer specs without Transformer Engine.
+
+Megatron's local `DotProductAttention` takes one head size for keys and values, so it cannot run Multi-head Latent
+Attention (DeepSeek: keys are nope+rope dims wide, values v_head_dim). This module has the same constructor and
+forward contract as Megatron's core attentions, and any key/value head sizes.
+
+Shapes: query [seq, batch, heads, k_dim], key [seq, batch, kv_heads, k_dim], value [seq, batch, kv_heads, v_dim]
+-> output [seq, batch, heads * v_dim] (heads being this TP rank's share).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+class SDPACoreAttention(MegatronModule):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPACoreAttention does not split sequences: use context_parallel_size=1")
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention supports neither packed sequences nor attention bias")
+        mask_type = attn_mask_type or self.attn_mask_type
+        # Megatron masks are True where attention is *not* allowed; SDPA's boolean masks the opposite.
+        mask = None if attention_mask is None else ~attention_mask
+        causal = mask is None and mask_type == AttnMaskType.causal
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [batch, heads, seq, dim]
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=causal,
+            scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+        seq, batch = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
