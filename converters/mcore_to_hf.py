@@ -1,6 +1,6 @@
 """`megarl convert --from mcore --to hf`: a megarl Megatron checkpoint folder -> a HF safetensors folder.
 
-Parameters are read from the distributed checkpoint in groups of at most `bucket_bytes`, converted to HF tensors
+Parameters are read from the distributed checkpoint in groups of at most `read_group_bytes`, converted to HF tensors
 and streamed into safetensors files whose headers were planned up front: memory holds one group, never the model.
 The folder loads with `AutoModelForCausalLM.from_pretrained`.
 """
@@ -16,7 +16,6 @@ import torch
 
 from converters.hf_to_mcore import ConversionReport
 from converters.meta_model import build_meta_model
-from megarl.bridge.buckets import DEFAULT_BUCKET_BYTES
 from megarl.bridge.model_bridge import Binding
 from megarl.bridge.safetensors_io import HFCheckpoint, ShardedSafetensorsWriter, TensorSpec
 from megarl.checkpoint.model_dir import (
@@ -32,9 +31,12 @@ from megarl.errors import UserError
 from megarl.models.hf_config import config_dtype, dtype_name, load_hf_config
 from megarl.models.registry import get_architecture
 from megarl.runtime.distributed import single_process_megatron
+from megarl.runtime.memory import trim_heap
 from megarl.runtime.progress import progress_bar
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+# Each group costs one distributed-checkpoint read (metadata included): 64 MB keeps the reads few and memory small.
+DEFAULT_READ_GROUP_BYTES = 64 * 2**20
 
 
 def _dtype_policy(manifest: list[TensorSpec] | None, default: torch.dtype, override: torch.dtype | None):
@@ -114,7 +116,7 @@ def convert_mcore_to_hf(
     dst: str | Path,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    read_group_bytes: int = DEFAULT_READ_GROUP_BYTES,
     overwrite: bool = False,
     show_progress: bool = True,
 ) -> ConversionReport:
@@ -140,7 +142,8 @@ def convert_mcore_to_hf(
         with staged_folder(dst, overwrite) as tmp:
             writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes)
             with progress_bar(len(exported), f"mcore -> hf {src.name}", show_progress) as advance:
-                for group in _groups(exported, bucket_bytes):
+                for group in _groups(exported, read_group_bytes):
+                    trim_heap()
                     loaded = _load_group(sharded_state_dict, group, src / MODEL_DIR)
                     for binding in group:
                         writer.write_all(meta.bridge.to_hf(binding, loaded.pop(binding.param_name), dtype_of))

@@ -116,3 +116,79 @@ def test_parallel_config_rejects_bad_sizes():
         ParallelConfig(tp=0)
     with pytest.raises(UserError, match="vpp=2 needs pipeline parallelism"):
         ParallelConfig(vpp=2)
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "expected"),
+    [
+        (
+            "tiny-mixtral",
+            {},
+            dict(moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_router_topk=2),
+        ),
+        ("tiny-qwen3-moe", {"norm_topk_prob": False}, dict(moe_router_pre_softmax=True, moe_layer_freq=[1, 0, 1, 1])),
+        (
+            "tiny-deepseek-v3",
+            {},
+            dict(
+                moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True,
+                moe_router_bias_update_rate=0.0,
+                moe_router_num_groups=4,
+                moe_router_group_topk=2,
+                moe_router_topk_scaling_factor=2.5,
+                moe_shared_expert_intermediate_size=32,
+                moe_layer_freq=[0, 1, 1, 1],
+                moe_router_dtype="fp32",
+            ),
+        ),
+        ("tiny-deepseek-v3-lite", {}, dict(moe_router_num_groups=None, q_lora_rank=None, rope_type="rope")),
+    ],
+)
+def test_moe_routing_settings(name, overrides, expected):
+    config = hf_config(name, **overrides)
+    fields = get_architecture(config.model_type).to_mcore(config).config_kwargs
+    assert {key: fields[key] for key in expected} == expected
+
+
+def test_yarn_settings_for_mla():
+    fields = get_architecture("deepseek_v3").to_mcore(hf_config("tiny-deepseek-v3")).config_kwargs
+    assert fields["rope_type"] == "yarn" and fields["rotary_scaling_factor"] == 4.0
+    assert (fields["original_max_position_embeddings"], fields["mscale"], fields["mscale_all_dim"]) == (64, 1.0, 1.0)
+    assert (fields["qk_head_dim"], fields["qk_pos_emb_head_dim"], fields["v_head_dim"]) == (16, 8, 16)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_experts_per_tok": 2}, "num_experts_per_tok=2 with topk_group=2: Megatron-Core would score each expert"),
+        ({"topk_group": 5}, "topk_group=5 exceeds n_group=4; valid: 1..4"),
+        ({"n_group": 3}, "n_group=3 does not divide n_routed_experts=8"),
+        ({"norm_topk_prob": False}, "norm_topk_prob=false"),
+        ({"rope_interleave": False}, "rope_interleave=false is not supported"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 must be between 1 and n_routed_experts=8"),
+    ],
+)
+def test_deepseek_settings_megatron_cannot_reproduce(overrides, message):
+    config = hf_config("tiny-deepseek-v3", **overrides)
+    with pytest.raises(UserError, match=message):
+        get_architecture("deepseek_v3").to_mcore(config)
+
+
+@pytest.mark.parametrize(
+    ("name", "parallel", "message"),
+    [
+        ("tiny-deepseek-v3", ParallelConfig(ep=3), r"ep=3 does not divide n_routed_experts=8; valid: 1, 2, 4, 8"),
+        ("tiny-mixtral", ParallelConfig(etp=5), r"etp=5 does not divide intermediate_size=96"),
+        ("tiny-qwen3", ParallelConfig(ep=2), r"ep=2 needs a mixture-of-experts model; qwen3 is dense"),
+        (
+            "tiny-deepseek-v3",
+            ParallelConfig(tp=3),
+            r"tp=3 does not divide num_attention_heads=4, intermediate_size=128",
+        ),
+    ],
+)
+def test_impossible_expert_layouts(name, parallel, message):
+    config = hf_config(name)
+    with pytest.raises(UserError, match=message):
+        check_parallel_layout(get_architecture(config.model_type), config, parallel)

@@ -47,7 +47,7 @@ def round_trip(ranks1, src, tmp_path, parallel, **to_hf):
 def test_round_trip_is_bit_exact(ranks1, hf_checkpoint, tmp_path, name, dtype):
     src = hf_checkpoint(name, dtype, max_shard_size="100KB")
     # small read groups: each holds a few layers' slices of Megatron's stacked per-layer tensors
-    mcore, back = round_trip(ranks1, src, tmp_path, ParallelConfig(tp=2, pp=2), bucket_bytes=40_000)
+    mcore, back = round_trip(ranks1, src, tmp_path, ParallelConfig(tp=2, pp=2), read_group_bytes=40_000)
 
     assert_same_checkpoint(src, back)
     assert json.loads((back / "config.json").read_text()) == json.loads((src / "config.json").read_text())
@@ -141,5 +141,5 @@ def test_checkpoint_saved_by_a_sharded_model_loads_at_another_layout(ranks4, ran
         assert all(torch.equal(sent[name], original.get(name)) for name in original.names)
 
     back = tmp_path / "back"  # small read groups: partial reads of the TP-sharded chunks a live model wrote
-    ranks1.run(convert_mcore_to_hf, str(saved), str(back), bucket_bytes=40_000, show_progress=False)
+    ranks1.run(convert_mcore_to_hf, str(saved), str(back), read_group_bytes=40_000, show_progress=False)
     assert_same_checkpoint(src, back)

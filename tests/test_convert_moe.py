@@ -36,7 +36,7 @@ def private_copy(hf_checkpoint, tmp_path, name="tiny-deepseek-v3"):
 @pytest.mark.parametrize("name", MOE_ARCHITECTURES)
 def test_moe_round_trip_is_bit_exact(ranks1, hf_checkpoint, tmp_path, name, dtype):
     src = hf_checkpoint(name, dtype, max_shard_size="100KB")
-    mcore, back = round_trip(ranks1, src, tmp_path, P(tp=2, ep=2), bucket_bytes=40_000)
+    mcore, back = round_trip(ranks1, src, tmp_path, P(tp=2, ep=2), read_group_bytes=40_000)
     assert_same_checkpoint(src, back)
     assert json.loads((mcore / "megarl.json").read_text())["layout"] == {"tp": 2, "pp": 1, "vpp": 1, "ep": 2, "etp": 2}
 
@@ -70,7 +70,7 @@ def test_multi_token_prediction_layers_are_carried_through(ranks1, ranks4, hf_ch
     )
     from converters.mcore_to_hf import convert_mcore_to_hf
 
-    ranks1.run(convert_mcore_to_hf, str(mcore), str(back), bucket_bytes=40_000, show_progress=False)
+    ranks1.run(convert_mcore_to_hf, str(mcore), str(back), read_group_bytes=40_000, show_progress=False)
     assert_same_checkpoint(src, back)
     # The Megatron model itself is the 4-layer model.
     ids = sample_ids(1000)

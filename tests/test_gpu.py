@@ -31,7 +31,7 @@ def gpu_logits(path: str, input_ids: torch.Tensor):
     return logits.cpu(), transformer_engine_available()
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-deepseek-v3"])
 def test_logits_match_hf_on_gpu(hf_checkpoint, name):
     from megarl.runtime.rank_pool import RankPool
 

@@ -32,7 +32,7 @@ def table_agrees_with_megatron(name: str, layout) -> int:
     config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     arch = get_architecture(config.model_type)
     vocab = VocabInfo(config.vocab_size, pad_vocab_size(config.vocab_size, 128, parallel.tp))
-    chunks = build_model(arch, config, parallel, vocab, meta=True)
+    chunks = build_model(arch, config, parallel, vocab)
     bridge = build_bridge(arch, config, chunks, vocab)
     for binding in bridge.bindings:  # (ModelBridge checks this too; here it must also have been set at all)
         param = binding.param

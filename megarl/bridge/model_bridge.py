@@ -112,14 +112,24 @@ class ModelBridge:
         mapping = self._by_skeleton.get(_skeleton(canonical))
         if mapping is None:
             raise RuntimeError(f"Megatron parameter {name!r} has no mapping in the architecture's weight table")
+        mapping = self._check_split(name, param, mapping, recorded=chunk.config.perform_initialization)
+        local = _template_regex(mapping.mcore).fullmatch(canonical).groupdict()
+        # Megatron names count layers within the chunk and experts within the EP rank; HF names count globally.
+        return Binding(mapping, name, mapping.hf_names(**_global_ids(chunk, local)), chunk_index, param)
+
+    def _check_split(self, name: str, param: torch.Tensor, mapping: Mapping, recorded: bool) -> Mapping:
+        """The table's TP split dim must be Megatron's. Megatron records it only when it initializes a weight:
+        uninitialized (meta) models carry no record, which is harmless where nothing is split."""
+        if not recorded:
+            if max(self.tp_size, self.etp_size) > 1:
+                raise RuntimeError(f"{name}: a model split across TP must be built with weight initialization")
+            return replace(mapping, tp_dim=None) if mapping.tp_dim == TP_DIM_FROM_MODEL else mapping
         split = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
         if mapping.tp_dim == TP_DIM_FROM_MODEL:
             mapping = replace(mapping, tp_dim=split)
         if mapping.tp_dim != split:
             raise RuntimeError(f"{name}: the weight table splits dim {mapping.tp_dim} across TP, Megatron dim {split}")
-        local = _template_regex(mapping.mcore).fullmatch(canonical).groupdict()
-        # Megatron names count layers within the chunk and experts within the EP rank; HF names count globally.
-        return Binding(mapping, name, mapping.hf_names(**_global_ids(chunk, local)), chunk_index, param)
+        return mapping
 
     def tp_rank_and_size(self, binding: Binding) -> tuple[int, int]:
         return (self.etp_rank, self.etp_size) if binding.expert else (self.tp_rank, self.tp_size)

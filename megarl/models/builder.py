@@ -57,9 +57,10 @@ def build_model(
 ) -> list:
     """This rank's model chunks (one per virtual pipeline stage), as `megatron.core.models.gpt.GPTModel`s.
 
-    meta: build on the meta device (shapes and names only, no memory), e.g. to plan a checkpoint.
+    meta: build on the meta device (shapes and names only, no memory, no initialization), e.g. to plan a
+        checkpoint at TP=1.
 
-    Weights are always initialized, even when a checkpoint is loaded next: Megatron sets the tensor-parallel
+    Real weights are always initialized, even when a checkpoint is loaded next: Megatron sets the tensor-parallel
     attributes of a parameter (`tensor_model_parallel`, `partition_dim`) only in its initialization path, and
     gradient clipping and DDP rely on them.
     """
@@ -68,7 +69,7 @@ def build_model(
 
     spec = arch.to_mcore(hf_config)
     backend = "local" if meta else spec_backend
-    overrides = {"use_cpu_initialization": True} if meta else {}
+    overrides = {"use_cpu_initialization": True, "perform_initialization": False} if meta else {}
     config = build_transformer_config(spec, parallel, dtype, backend, **overrides)
     chunks = []
     for vp_stage in range(parallel.vpp):

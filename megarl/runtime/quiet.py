@@ -14,6 +14,9 @@ _EXPECTED = (
     r"Please use DTensor instead",  # torch DCP on Megatron's ShardedTensor path
     r"`load_state_dict` is deprecated",  # Megatron's torch_dist loader calls the old DCP entry point
     r"`torch.distributed.all_gather_into_tensor` is deprecated",  # called inside Megatron-Core
+    r"`torch.distributed.reduce_scatter_tensor` is deprecated",  # likewise
+    # Training advice printed for every TP x EP config; training configs enforce sequence parallelism themselves.
+    r"When using expert parallelism and tensor parallelism for training",
 )
 
 
