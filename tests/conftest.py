@@ -46,3 +46,20 @@ def hf_checkpoint(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def hf_reference(hf_checkpoint):
+    """hf_reference(name, batch=2) -> (HF folder, token ids [batch, 48], the HF model's fp32 logits on them)."""
+    from helpers import hf_logits, sample_ids
+
+    cache: dict = {}
+
+    def get(name: str, batch: int = 2):
+        if (name, batch) not in cache:
+            folder = hf_checkpoint(name)
+            ids = sample_ids(vocab_size=1000, batch=batch, seq=48)
+            cache[name, batch] = (folder, ids, hf_logits(folder, ids))
+        return cache[name, batch]
+
+    return get

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import LAYOUTS, exported_weights, hf_logits, layout_id, megatron_logits, one_result, sample_ids
+from helpers import LAYOUTS, exported_weights, layout_id, megatron_logits, one_result
 
 from megarl.bridge.safetensors_io import HFCheckpoint
 
@@ -13,24 +13,10 @@ ARCHITECTURES = ["tiny-llama", "tiny-llama-bias", "tiny-qwen2", "tiny-qwen3"]
 BUCKET_BYTES = 64 * 1024
 
 
-@pytest.fixture(scope="module")
-def reference(hf_checkpoint):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            folder = hf_checkpoint(name)
-            ids = sample_ids(vocab_size=1000)
-            cache[name] = (folder, ids, hf_logits(folder, ids))
-        return cache[name]
-
-    return get
-
-
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
 @pytest.mark.parametrize("name", ARCHITECTURES)
-def test_megatron_logits_match_hf(ranks4, reference, name, layout):
-    folder, ids, expected = reference(name)
+def test_megatron_logits_match_hf(ranks4, hf_reference, name, layout):
+    folder, ids, expected = hf_reference(name)
     logits = one_result(ranks4.run(megatron_logits, str(folder), layout, ids))
     assert logits.shape == expected.shape
     assert (logits - expected).abs().max().item() < 1e-4

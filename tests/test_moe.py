@@ -7,13 +7,11 @@ import pytest
 import torch
 from helpers import (
     exported_weights,
-    hf_logits,
     hf_routing,
     layout_id,
     megatron_logits,
     megatron_routing,
     one_result,
-    sample_ids,
 )
 
 from megarl.bridge.safetensors_io import HFCheckpoint
@@ -24,32 +22,18 @@ MOE_ARCHITECTURES = ["tiny-mixtral", "tiny-qwen3-moe", "tiny-deepseek-v3", "tiny
 MOE_LAYOUTS = [P(), P(ep=2), P(tp=2, ep=2), P(pp=2, ep=2), P(tp=2, pp=2, ep=2, etp=1)]
 
 
-@pytest.fixture(scope="module")
-def reference(hf_checkpoint):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            folder = hf_checkpoint(name)
-            ids = sample_ids(vocab_size=1000, batch=4, seq=48)  # 192 tokens: every expert gets some
-            cache[name] = (folder, ids, hf_logits(folder, ids))
-        return cache[name]
-
-    return get
-
-
 @pytest.mark.parametrize("layout", MOE_LAYOUTS, ids=layout_id)
 @pytest.mark.parametrize("name", MOE_ARCHITECTURES)
-def test_moe_logits_match_hf(ranks4, reference, name, layout):
-    folder, ids, expected = reference(name)
+def test_moe_logits_match_hf(ranks4, hf_reference, name, layout):
+    folder, ids, expected = hf_reference(name, batch=4)  # 192 tokens: every expert gets some
     logits = one_result(ranks4.run(megatron_logits, str(folder), layout, ids))
     assert (logits - expected).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("layout", [P(), P(tp=2, pp=2, ep=2, etp=1)], ids=layout_id)
 @pytest.mark.parametrize("name", MOE_ARCHITECTURES)
-def test_routing_chooses_the_same_experts(ranks4, reference, name, layout):
-    folder, ids, _ = reference(name)
+def test_routing_chooses_the_same_experts(ranks4, hf_reference, name, layout):
+    folder, ids, _ = hf_reference(name, batch=4)
     expected = hf_routing(folder, ids)
     results = [r for r in ranks4.run(megatron_routing, str(folder), layout, ids) if r is not None]
     routed = {layer: routing for stage in results for layer, routing in stage.items()}
