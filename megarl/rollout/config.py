@@ -1,0 +1,185 @@
+"""Rollout settings: sampling and the engine backends. Imports nothing heavy (the config loader reads it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megarl.errors import UserError
+
+
+@dataclass
+class SamplingParams:
+    """How completions are sampled. Log-probs are always those of the sampling distribution at `temperature`
+    before top-k / top-p truncation (what the Megatron actor recomputes)."""
+
+    n: int = 1
+    """Completions per prompt (a GRPO group)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1.0 keeps all."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 (or 0) keeps all."""
+    max_new_tokens: int = 256
+    """Longest completion, in tokens."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: generation ends once the decoded completion contains one (the tokens that completed it are
+    kept)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation (kept in the completion), in addition to the tokenizer's EOS."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+
+    def check(self, key: str) -> None:
+        if self.n < 1:
+            raise UserError(f"{key}.n={self.n} must be >= 1")
+        if self.temperature < 0:
+            raise UserError(f"{key}.temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"{key}.top_p={self.top_p} must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise UserError(f"{key}.max_new_tokens={self.max_new_tokens} must be >= 1")
+
+
+@dataclass
+class HFEngineConfig:
+    """The embedded transformers engine (CPU default)."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and compute dtype of the engine's model."""
+    max_batch_size: int = 64
+    """Most sequences decoded together in one forward pass; larger requests run in several rounds."""
+    num_threads: int = 0
+    """torch intra-op threads of the engine process; 0 keeps torch's default."""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """transformers attention kernel of the engine's model."""
+    seed: int = 0
+    """Seed of the engine's generator, from which requests without a seed draw theirs."""
+    strict_weight_sync: bool = True
+    """finish_weight_update fails unless every checkpoint tensor arrived since begin_weight_update; false accepts
+    partial updates (tensors not sent keep their old values)."""
+
+    def check(self, key: str) -> None:
+        if self.max_batch_size < 1:
+            raise UserError(f"{key}.max_batch_size={self.max_batch_size} must be >= 1")
+        if self.num_threads < 0:
+            raise UserError(f"{key}.num_threads={self.num_threads} must be >= 0 (0 keeps torch's default)")
+
+
+@dataclass
+class SGLangEngineConfig:
+    """One SGLang HTTP server per rollout engine (GPU clusters), launched by the rollout worker on its GPUs.
+
+    Flags are those of SGLang's `ServerArgs` (checked against sglang 0.5.23); unset values keep SGLang's defaults.
+    One engine uses `tp` GPUs: DP attention and expert parallelism live inside them."""
+
+    tp: int = 1
+    """Tensor-parallel size of one engine, i.e. the GPUs it uses (SGLang's --tp-size)."""
+    dp: int = 1
+    """Attention data-parallel groups inside the engine's `tp` GPUs (SGLang's --attn-dp-size); needs
+    enable_dp_attention. SGLang cannot update the weights of data-parallel replicas: scale out with more engines."""
+    ep: int = 1
+    """Expert-parallel size inside one engine (SGLang's --ep-size); must divide tp."""
+    enable_dp_attention: bool = False
+    """DP attention (DeepSeek-style MLA serving): `dp` attention groups share the tensor-parallel FFN."""
+    mem_fraction_static: float | None = None
+    """Fraction of GPU memory SGLang reserves for weights and KV cache (0 < f < 1); lower it when colocated with
+    training; None keeps SGLang's estimate."""
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
+    """Weights and compute dtype of the server (SGLang's --dtype); auto follows the checkpoint (fp32 -> fp16)."""
+    trust_remote_code: bool = False
+    """Let SGLang run model code shipped with the checkpoint."""
+    random_seed: int | None = None
+    """Server seed (SGLang's --random-seed); None lets SGLang choose."""
+    deterministic: bool = False
+    """SGLang's --enable-deterministic-inference: batch-invariant kernels and its pytorch sampling backend. Needed
+    for per-request seeds (GenerateRequest.seed) to take effect: without it SGLang ignores them."""
+    enable_memory_saver: bool = False
+    """SGLang's --enable-memory-saver, needed by release_memory / resume_memory (engine colocated with training)."""
+    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    """How generation pauses for a weight update: `abort` returns unfinished completions (finish_reason abort) to be
+    resumed as partial rollouts; `retract` keeps them in SGLang and recomputes them under the new weights; `in_place`
+    keeps them with their KV cache from the old weights (the radix cache is not flushed)."""
+    skip_server_warmup: bool = True
+    """Skip SGLang's warm-up request at start-up (readiness is probed with /health_generate instead)."""
+    extra_args: dict[str, str] = field(default_factory=dict)
+    """Further server arguments by ServerArgs name (e.g. {"chunked_prefill_size": "8192"}); "true" or "" gives a
+    bare switch, "false" leaves it out."""
+    startup_timeout_s: float = 600.0
+    """How long to wait for the server to become healthy, in seconds."""
+    request_timeout_s: float = 3600.0
+    """Longest wait for one generate call, in seconds."""
+    control_timeout_s: float = 600.0
+    """Longest wait for one control call (weight update, pause, flush, memory release / resume), in seconds."""
+    health_timeout_s: float = 5.0
+    """Longest wait for one health probe, in seconds."""
+
+    def num_gpus(self) -> int:
+        """GPUs one engine occupies."""
+        return self.tp
+
+    def check(self, key: str) -> None:
+        import warnings
+
+        from megarl.rollout.sglang_server import MANAGED_ARGS
+
+        def divisors(n: int) -> str:
+            return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+        for axis in ("tp", "dp", "ep"):
+            if getattr(self, axis) < 1:
+                raise UserError(f"{key}.{axis}={getattr(self, axis)} must be >= 1")
+        if self.tp % self.ep:
+            raise UserError(f"{key}.ep={self.ep} must divide {key}.tp={self.tp}; valid: {divisors(self.tp)}")
+        if self.dp > 1 and not self.enable_dp_attention:
+            raise UserError(
+                f"{key}.dp={self.dp} without {key}.enable_dp_attention: SGLang cannot update the weights of "
+                f"data-parallel replicas; run more engines instead, or set {key}.enable_dp_attention=true"
+            )
+        if self.enable_dp_attention and self.tp % self.dp:
+            raise UserError(
+                f"{key}.dp={self.dp} must divide {key}.tp={self.tp} with DP attention; valid: {divisors(self.tp)}"
+            )
+        if self.enable_dp_attention and self.dp == 1:
+            warnings.warn(f"{key}.enable_dp_attention has no effect with {key}.dp=1", stacklevel=2)
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise UserError(f"{key}.mem_fraction_static={self.mem_fraction_static} must be in (0, 1) or null")
+        for name in ("startup_timeout_s", "request_timeout_s", "control_timeout_s", "health_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"{key}.{name}={getattr(self, name)} must be > 0")
+        for name in self.extra_args:
+            flag = name.replace("-", "_").lstrip("_")
+            if flag in MANAGED_ARGS:
+                raise UserError(
+                    f"{key}.extra_args.{name} is set by megarl ({MANAGED_ARGS[flag]}); remove it from extra_args"
+                )
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["hf", "sglang"] = "hf"
+    """Rollout engine: `hf` (embedded transformers, CPU) or `sglang` (GPU clusters)."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """Sampling for training rollouts."""
+    eval_sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    """Sampling for evaluation (greedy by default)."""
+    hf: HFEngineConfig = field(default_factory=HFEngineConfig)
+    sglang: SGLangEngineConfig = field(default_factory=SGLangEngineConfig)
+    gpus_per_engine: int = 1
+    """GPUs of one rollout engine (sglang: its tp; hf: 1). The engines share the rollout GPUs evenly."""
+    bucket_bytes: int = 512 * 2**20
+    """Largest weight-sync bucket, in bytes."""
+
+    def check(self, key: str) -> None:
+        if self.gpus_per_engine < 1:
+            raise UserError(f"{key}.gpus_per_engine={self.gpus_per_engine} must be >= 1")
+        if self.backend == "hf" and self.gpus_per_engine != 1:
+            raise UserError(f"{key}.gpus_per_engine={self.gpus_per_engine}: the hf engine uses 1")
+        if self.backend == "sglang" and self.gpus_per_engine != self.sglang.num_gpus():
+            raise UserError(
+                f"{key}.gpus_per_engine={self.gpus_per_engine} must equal the SGLang engine's GPUs "
+                f"({key}.sglang.tp={self.sglang.tp}): {self.sglang.num_gpus()}"
+            )
+        if self.bucket_bytes < 2**20:
+            raise UserError(f"{key}.bucket_bytes={self.bucket_bytes} must be at least 1 MiB")

@@ -1,0 +1,134 @@
+"""The rollout engine interface (DESIGN.md): what the trainer asks of any backend.
+
+An engine turns prompts (token ids) into completions with per-token log-probs, takes new weights as buckets of
+HF-named tensors (names exactly as in the HF safetensors checkpoint, tensors whole, in the HF dtype), and carries a
+weight version into every completion so the trainer can tell how stale a sample is.
+
+Reproducibility: a request with a seed is sampled from its own random streams, one per completion (sample j of a
+request with seed s draws from a generator seeded by `sample_seed(s, j)`), so the same request gives the same
+completions whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from megarl.rollout.config import SamplingParams
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class GenerateRequest:
+    prompt_ids: list[int]
+    """The prompt, as token ids (templates and tokenization happen before the engine)."""
+    seed: int | None = None
+    """Base seed of this request's completions; None draws from the engine's global generator."""
+    request_id: str | None = None
+    """Caller's id, echoed in the completions (used to abort or resume a request)."""
+    prefix_ids: list[int] = field(default_factory=list)
+    """Response tokens generated earlier (a partial rollout resumed under new weights): generation continues after
+    prompt + prefix, and the completion includes the prefix."""
+    prefix_logprobs: list[float] = field(default_factory=list)
+    """Log-probs of the prefix tokens, as recorded when they were generated."""
+    prefix_versions: list[int] = field(default_factory=list)
+    """Weight version that generated each prefix token."""
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    """Generated tokens, including a final stop token or the tokens that completed a stop string."""
+    logprobs: list[float]
+    """log p(token) under the sampling distribution at the request's temperature, before top-k/top-p truncation."""
+    finish_reason: FinishReason
+    """`stop` (EOS, a stop token or string), `length` (max_new_tokens), or `abort` (interrupted)."""
+    weight_version: int
+    """Weight version of the engine when the completion finished."""
+    token_versions: list[int] = field(default_factory=list)
+    """Weight version that generated each token (differs from weight_version only for resumed partial rollouts)."""
+    request_id: str | None = None
+
+
+@dataclass
+class SyncStats:
+    """What one weight update moved."""
+
+    version: int
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """A 63-bit seed for completion `index` of a request seeded with `seed` (stable across processes)."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class RolloutEngine(ABC):
+    """A rollout backend. Calls block; a Ray rollout worker wraps one engine."""
+
+    weight_version: int = 0
+
+    @abstractmethod
+    def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingParams) -> list[list[Completion]]:
+        """`sampling.n` completions for each request, in request order."""
+
+    @abstractmethod
+    def begin_weight_update(self, version: int) -> None:
+        """Prepare to receive buckets (pause generation, flush caches as the backend needs)."""
+
+    @abstractmethod
+    def apply_bucket(self, bucket: Bucket) -> None:
+        """Load one bucket of HF-named tensors into the model."""
+
+    @abstractmethod
+    def finish_weight_update(self, version: int) -> None:
+        """All buckets are in: the engine now serves weights `version`."""
+
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> SyncStats:
+        """Load a whole stream of buckets: begin, apply each, finish."""
+        import time
+
+        start = time.perf_counter()
+        num_tensors = num_bytes = 0
+        self.begin_weight_update(version)
+        for bucket in buckets:
+            self.apply_bucket(bucket)
+            num_tensors += len(bucket)
+            num_bytes += sum(t.nbytes for _, t in bucket)
+        self.finish_weight_update(version)
+        return SyncStats(version, num_tensors, num_bytes, time.perf_counter() - start)
+
+    def release_memory(self) -> None:
+        """Free accelerator memory (weights and KV cache) for a colocated trainer; no-op where nothing to free."""
+        return None  # default: nothing to do
+
+    def resume_memory(self) -> None:
+        """Take back what release_memory freed."""
+        return None  # default: nothing to do
+
+    def flush_cache(self) -> None:
+        """Drop cached prefixes / KV (they were computed with older weights)."""
+        return None  # default: nothing to do
+
+    def abort(self) -> None:
+        """Interrupt generation in progress: unfinished completions return with finish_reason `abort`."""
+        return None  # default: nothing to do
+
+    def health(self) -> dict[str, Any]:
+        """{"ok": bool, "weight_version": int, ...}; must answer quickly."""
+        return {"ok": True, "weight_version": self.weight_version}
+
+    def shutdown(self) -> None:
+        """Release every resource (processes, memory)."""
+        return None  # default: nothing to do

@@ -1,0 +1,258 @@
+"""Load HF-named checkpoint tensors into a live transformers model, in place and exactly.
+
+The trainer streams weights as buckets of `(hf_name, tensor)`, names exactly as `save_pretrained` writes them. The
+in-memory layout of a transformers 5.x model can differ from the checkpoint: MoE experts are fused into 3-D tensors
+(`mlp.experts.gate_up_proj` [E, 2I, H] holds every expert's gate and up projections, `mlp.experts.down_proj`
+[E, H, I] their down projections) and some names are renamed (Mixtral's `block_sparse_moe` is `mlp`).
+
+We do not keep a table of our own for this. transformers describes each model's conversion as data: a list of
+`WeightRenaming` and `WeightConverter` entries (`conversion_mapping.py`), applied by `from_pretrained`. Its loader
+needs every expert of a fused tensor at once, while a bucket may hold any subset, so this module reads the same
+entries and turns each checkpoint name into a *destination*: a region of one model tensor (a whole tensor, or for
+a converter `MergeModulelist(dim=d)` + `Concatenate(dim=c)`: index `e` on dim d and a slice on dim c). A bucket
+then writes each tensor into its region with one `copy_`, which gives the same bits as `from_pretrained` (same
+values, same cast to the model dtype).
+
+The plan is built once per model and checked: the checkpoint names are those transformers' own save path would
+write for this model (tied weights removed, conversions reverted), each must map to exactly one region of the
+right shape, and the regions must cover every model tensor exactly once. A converter whose operations this module
+does not know fails at build time, naming it.
+
+Names a bucket may carry that the model does not hold are skipped and counted: derived buffers (rotary
+`inv_freq`, recomputed from the config) and layers past `num_hidden_layers` (DeepSeek multi-token prediction).
+Any other unknown name raises `UserError` naming the tensor.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    Concatenate,
+    MergeModulelist,
+    WeightConverter,
+    WeightRenaming,
+    dot_natural_key,
+    rename_source_key,
+    revert_weight_conversion,
+)
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+from megarl.errors import UserError
+
+Index = tuple[int | slice, ...]
+
+_LAYER_ID = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where one checkpoint tensor lives in the model: `model_tensor[index]`, of shape `shape`."""
+
+    target: str
+    """Name of the model tensor (a key of `model.state_dict()`)."""
+    index: Index
+    """Region of the target; empty for the whole tensor."""
+    shape: tuple[int, ...]
+    """Shape of the checkpoint tensor (equal to the region's shape)."""
+
+
+@dataclass
+class LoadCounts:
+    """What `WeightLoader.load` did since the last `reset`."""
+
+    loaded: set[str] = field(default_factory=set)
+    """Checkpoint names written into the model."""
+    num_tensors: int = 0
+    """Tensors written (a name sent twice counts twice)."""
+    num_skipped: int = 0
+    """Tensors ignored: derived buffers and layers the model does not hold."""
+
+
+def checkpoint_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """The names and shapes `model.save_pretrained` would write, computed on the meta device (no copies)."""
+    state = model.state_dict()
+    for name in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(name, None)
+    state = remove_tied_weights_from_state_dict(state, model)
+    meta = {name: tensor.to("meta") for name, tensor in state.items()}
+    return {name: tuple(tensor.shape) for name, tensor in revert_weight_conversion(model, meta).items()}
+
+
+def _stack_and_concat_dims(converter: WeightConverter) -> tuple[int | None, int | None]:
+    """The dims of a converter made of `MergeModulelist` (stack one tensor per module) then `Concatenate`."""
+    stack_dim = concat_dim = None
+    for op in converter.operations:
+        if isinstance(op, MergeModulelist) and stack_dim is None and concat_dim is None:
+            stack_dim = op.dim
+        elif isinstance(op, Concatenate) and concat_dim is None:
+            concat_dim = op.dim
+        else:
+            raise UserError(
+                f"transformers converts {converter.source_patterns} -> {converter.target_patterns} with operations "
+                f"{converter.operations}; the hf engine can load only MergeModulelist and/or Concatenate in place"
+            )
+    return stack_dim, concat_dim
+
+
+def _converter_destinations(
+    target: str,
+    target_shape: tuple[int, ...],
+    converter: WeightConverter,
+    names_by_pattern: dict[str, list[str]],
+    shapes: dict[str, tuple[int, ...]],
+) -> dict[str, Destination]:
+    """Regions of one fused model tensor, one per checkpoint name, in the order `from_pretrained` builds them:
+    source patterns in the converter's order, names of one pattern in natural order (expert 0, 1, ..., 10)."""
+    stack_dim, concat_dim = _stack_and_concat_dims(converter)
+    ndim = len(target_shape)
+    stack_dim = None if stack_dim is None else stack_dim % ndim
+    concat_dim = None if concat_dim is None else concat_dim % ndim
+    if stack_dim is not None and stack_dim == concat_dim:
+        raise UserError(f"{target}: transformers stacks and concatenates on the same dim; not loadable in place")
+    destinations: dict[str, Destination] = {}
+    offset = 0
+    for pattern in converter.source_patterns:
+        names = sorted(names_by_pattern.get(pattern, []), key=dot_natural_key)
+        for position, name in enumerate(names):
+            shape = shapes[name]
+            index: list[int | slice] = [slice(None)] * ndim
+            if stack_dim is not None:
+                index[stack_dim] = position
+            if concat_dim is not None:
+                source_dim = concat_dim - (stack_dim is not None and stack_dim < concat_dim)
+                width = shape[source_dim]
+                index[concat_dim] = slice(offset, offset + width)
+                if stack_dim is None or position == len(names) - 1:
+                    offset += width
+            destinations[name] = Destination(target, tuple(index), shape)
+    return destinations
+
+
+def build_plan(model: torch.nn.Module) -> dict[str, Destination]:
+    """Checkpoint name -> destination for every tensor `save_pretrained` writes, checked to cover the model."""
+    shapes = checkpoint_shapes(model)
+    state = model.state_dict()
+    transforms = get_model_conversion_mapping(model)  # what from_pretrained applies, legacy renamings included
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    converter_of = {pattern: c for c in converters for pattern in c.source_patterns}
+
+    plan: dict[str, Destination] = {}
+    grouped: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))  # target -> pattern -> names
+    converter_of_target: dict[str, WeightConverter] = {}
+    for name, shape in shapes.items():
+        target, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, state)
+        if target not in state:
+            raise RuntimeError(f"transformers maps checkpoint tensor {name} to {target}, which the model lacks")
+        if pattern is None:
+            plan[name] = Destination(target, (), shape)
+        else:
+            grouped[target][pattern].append(name)
+            converter_of_target[target] = converter_of[pattern]
+    for target, names_by_pattern in grouped.items():
+        converter = converter_of_target[target]
+        plan.update(_converter_destinations(target, tuple(state[target].shape), converter, names_by_pattern, shapes))
+    check_plan(plan, state)
+    return plan
+
+
+def check_plan(plan: dict[str, Destination], state: dict[str, torch.Tensor]) -> None:
+    """Every region has its checkpoint tensor's shape, no two names share a region, and the regions of each model
+    tensor add up to all of it (with distinct regions that are disjoint by construction, this is exact cover)."""
+    covered: dict[str, int] = defaultdict(int)
+    seen: dict[tuple[str, str], str] = {}
+    for name, dest in plan.items():
+        region = state[dest.target][dest.index] if dest.index else state[dest.target]
+        if tuple(region.shape) != dest.shape:
+            raise RuntimeError(
+                f"{name} has shape {dest.shape} but its region of {dest.target} has {tuple(region.shape)}"
+            )
+        key = (dest.target, repr(dest.index))
+        if key in seen:
+            raise RuntimeError(f"{name} and {seen[key]} both map to {dest.target}{list(dest.index)}")
+        seen[key] = name
+        covered[dest.target] += region.numel()
+    # tied weights share storage: a tensor counts as covered if the tensor it aliases is
+    storage_of = {name: (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape) for name, t in state.items()}
+    covered_storage = {storage_of[target] for target, numel in covered.items() if numel == state[target].numel()}
+    for target, tensor in state.items():
+        if covered[target] > tensor.numel():
+            raise RuntimeError(f"checkpoint regions of {target} overlap ({covered[target]} > {tensor.numel()})")
+        if storage_of[target] not in covered_storage:
+            raise RuntimeError(f"{target}: checkpoint tensors cover {covered[target]} of {tensor.numel()} elements")
+
+
+class WeightLoader:
+    """Writes buckets of checkpoint-named tensors into `model`'s tensors (built once per model)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.plan = build_plan(model)
+        self._tensors = {name: model.get_parameter_or_buffer(name) for name in {d.target for d in self.plan.values()}}
+        persistent = model.state_dict().keys()
+        self._derived_leaves = {n.rsplit(".", 1)[-1] for n, _ in model.named_buffers() if n not in persistent}
+        self._ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self._num_layers: int | None = getattr(config, "num_hidden_layers", None)
+        self.counts = LoadCounts()
+
+    @property
+    def names(self) -> list[str]:
+        """Every checkpoint name this model takes."""
+        return list(self.plan)
+
+    def reset(self) -> None:
+        self.counts = LoadCounts()
+
+    def missing(self) -> list[str]:
+        """Checkpoint names not loaded since the last `reset`."""
+        return [name for name in self.plan if name not in self.counts.loaded]
+
+    def is_skipped(self, name: str) -> bool:
+        """A name the model does not hold on purpose: a derived buffer or a layer past num_hidden_layers."""
+        if name.rsplit(".", 1)[-1] in self._derived_leaves:
+            return True
+        match = _LAYER_ID.search(name)
+        if match and self._num_layers is not None and int(match.group(1)) >= self._num_layers:
+            return True
+        return any(pattern.search(name) for pattern in self._ignore)
+
+    def destination(self, name: str) -> Destination | None:
+        """Where `name` goes; None for a skipped name; UserError for an unknown one."""
+        dest = self.plan.get(name)
+        if dest is None and not self.is_skipped(name):
+            close = difflib.get_close_matches(name, self.plan, n=3)
+            hint = f"; closest: {', '.join(close)}" if close else ""
+            raise UserError(
+                f"weight update: tensor {name!r} is not a checkpoint tensor of this "
+                f"{type(self.model).__name__} ({len(self.plan)} known names){hint}"
+            )
+        return dest
+
+    @torch.no_grad()
+    def load(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each tensor into its region (cast to the model's dtype). Checks every name and shape first, so a bad
+        bucket changes nothing."""
+        writes = []
+        for name, tensor in bucket:
+            dest = self.destination(name)
+            if dest is None:
+                self.counts.num_skipped += 1
+                continue
+            if tuple(tensor.shape) != dest.shape:
+                raise UserError(
+                    f"weight update: tensor {name!r} has shape {tuple(tensor.shape)}; the model expects {dest.shape}"
+                )
+            writes.append((name, dest, tensor))
+        for name, dest, tensor in writes:
+            target = self._tensors[dest.target]
+            (target[dest.index] if dest.index else target).copy_(tensor)
+            self.counts.loaded.add(name)
+            self.counts.num_tensors += 1

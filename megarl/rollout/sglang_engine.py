@@ -1,0 +1,358 @@
+"""The `sglang` rollout engine: one SGLang HTTP server per engine, driven through its native API.
+
+Generation is one batched POST /generate with `input_ids` (no text, no chat templates: tokenization happens before
+the engine). Each completion is its own batch item with n=1, so every sample can carry its own seed and request id;
+SGLang's radix cache shares the prompt's prefill between the samples of a group. Results come back in item order:
+`output_ids` (every generated token, including the EOS / stop token and the tokens that completed a stop string:
+SGLang trims those from `text` only) and `meta_info` with `finish_reason` ({"type": "stop" | "length" | "abort",
+...}), `output_token_logprobs` ([logprob, token_id, text] per output token) and `weight_version` (the version last
+set with /update_weight_version, plus `weight_versions` spans when a request ran across an update).
+
+**Sampling parameters** map one to one: temperature, top_p, top_k (megarl's -1 / 0 -> SGLang's -1: whole vocabulary),
+max_new_tokens, stop, stop_token_ids, ignore_eos. Seeds: SGLang takes `sampling_params.sampling_seed` per request
+(sglang 0.5.23, `srt/sampling/sampling_params.py`) and uses it only when the server runs with
+--enable-deterministic-inference (`srt/sampling/sampling_batch_info.py`; otherwise every request shares the
+server's RNG), where it samples with a hash of (seed, position): SGLangEngineConfig.deterministic. Sample j of a
+request with seed s gets `sample_seed(s, j)`; an unseeded request draws s from the engine's own generator, since
+deterministic SGLang would otherwise give every unseeded request the same default seed (42), making all samples of a
+group identical. A resumed request keeps its seed: SGLang hashes (seed, position), so it continues the same stream.
+
+**Log-probs.** megarl's convention is log_softmax(logits / temperature) before top-k / top-p truncation. SGLang's
+sampler (`srt/layers/sampler.py`, Sampler.forward) divides the logits by the temperature in place, takes the softmax,
+and returns log(probs) of that distribution: computed before top-k / top-p / min-p filtering (the filters work on
+copies). So SGLang's returned output log-probs are temperature-scaled and untruncated, which is megarl's convention,
+provided that:
+- SGLANG_RETURN_ORIGINAL_LOGPROB is not set (it switches to log_softmax(logits), before temperature): the launcher
+  removes it from the server's environment;
+- temperature 0 (greedy): SGLang turns it into temperature 1 with top_k 1, so the log-probs are log_softmax(logits);
+- no penalties or logit bias (megarl sends none; SGLang would apply them before the softmax);
+- with --enable-deterministic-inference they come from log_softmax (same values); with --rl-on-policy-target they are
+  computed in bfloat16, which changes precision, not the convention. Speculative decoding is not used here.
+
+**Partial rollouts.** A request with `prefix_ids` is sent as prompt + prefix; the completion is prefix + new tokens,
+with the prefix's recorded log-probs and versions, and the prefix counts against max_new_tokens (a completion never
+exceeds it; a prefix that already fills it comes back at once with finish_reason `length`).
+
+**Weight updates** (begin / apply buckets / finish, see sglang_weights): pause generation (SGLangEngineConfig.
+pause_mode), open SGLang's weight-update session (/begin_weight_update, absent on older SGLang), load the buckets
+(colocated: update_weights_from_tensor from this process; split: an SGLangWeightSender on the trainer broadcasts,
+and apply_bucket is not used), close the session, set the version, flush the radix cache, continue generation.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from megarl.errors import UserError
+from megarl.rollout.config import SamplingParams, SGLangEngineConfig
+from megarl.rollout.engine import Bucket, Completion, FinishReason, GenerateRequest, RolloutEngine, sample_seed
+from megarl.rollout.sglang_client import SGLangClient, SGLangError
+from megarl.rollout.sglang_server import (
+    SGLangServer,
+    build_server_command,
+    build_server_env,
+    find_free_port,
+    url_of,
+)
+from megarl.rollout.sglang_weights import Serializer, SGLangEndpoint, send_flattened_bucket, sglang_serializer
+
+__all__ = ["SGLangEngine", "Slot", "build_generate_payload", "check_request", "parse_completion"]
+
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one batch item of a /generate call comes from."""
+
+    request_index: int
+    sample_index: int
+    max_new_tokens: int
+    """New tokens this item may still generate (max_new_tokens minus the prefix)."""
+
+
+def sampling_params_of(sampling: SamplingParams, max_new_tokens: int, seed: int | None) -> dict[str, Any]:
+    """One item's `sampling_params` under SGLang's names (its JSON contract rejects unknown keys)."""
+    params: dict[str, Any] = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "max_new_tokens": max_new_tokens,
+        "ignore_eos": sampling.ignore_eos,
+    }
+    if sampling.stop:
+        params["stop"] = list(sampling.stop)
+    if sampling.stop_token_ids:
+        params["stop_token_ids"] = list(sampling.stop_token_ids)
+    if seed is not None:
+        params["sampling_seed"] = seed
+    return params
+
+
+def build_generate_payload(
+    requests: Sequence[GenerateRequest],
+    sampling: SamplingParams,
+    draw_seed: Callable[[], int] | None = None,
+) -> tuple[dict[str, Any] | None, list[Slot]]:
+    """The /generate body for `sampling.n` samples of each request, and where each item came from.
+
+    Sample j of a request with seed s gets `sample_seed(s, j)`; an unseeded request draws s from `draw_seed()`
+    (None: its samples get no seed). Samples whose prefix already
+    fills max_new_tokens are left out of the body (their Slot has max_new_tokens 0); the body is None when none is
+    left.
+    """
+    input_ids, params, rids, slots = [], [], [], []
+    for i, request in enumerate(requests):
+        check_request(i, request)
+        tokens = list(request.prompt_ids) + list(request.prefix_ids)
+        # the prefix counts towards max_new_tokens: a resumed rollout ends where the uninterrupted one would
+        budget = sampling.max_new_tokens - len(request.prefix_ids)
+        base = request.request_id if request.request_id is not None else uuid.uuid4().hex
+        seed = request.seed if request.seed is not None or draw_seed is None else draw_seed()
+        for j in range(sampling.n):
+            slots.append(Slot(i, j, max(budget, 0)))
+            if budget <= 0:
+                continue
+            input_ids.append(tokens)
+            params.append(sampling_params_of(sampling, budget, None if seed is None else sample_seed(seed, j)))
+            rids.append(f"{base}/{j}")
+    if len(set(rids)) != len(rids):
+        duplicates = sorted({r.rsplit("/", 1)[0] for r in rids if rids.count(r) > 1})
+        raise UserError(f"request ids must be unique within a generate call; repeated: {duplicates}")
+    if not input_ids:
+        return None, slots
+    return {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": rids}, slots
+
+
+def check_request(i: int, request: GenerateRequest) -> None:
+    """Raise UserError for a request SGLang could not serve or whose prefix records are incomplete."""
+    if not request.prompt_ids:
+        raise UserError(f"requests[{i}].prompt_ids is empty; the engine needs at least one prompt token")
+    num_prefix = len(request.prefix_ids)
+    if len(request.prefix_logprobs) != num_prefix or len(request.prefix_versions) != num_prefix:
+        raise UserError(
+            f"requests[{i}] has {num_prefix} prefix_ids but {len(request.prefix_logprobs)} prefix_logprobs "
+            f"and {len(request.prefix_versions)} prefix_versions; give one of each per prefix token"
+        )
+
+
+def _version_of(value: Any, default: int) -> int:
+    """SGLang's weight version (a string) as megarl's integer; anything else (e.g. its initial "default") -> default."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def parse_completion(item: dict[str, Any], request: GenerateRequest, current_version: int) -> Completion:
+    """One /generate result item as a Completion (prefix included). Raises SGLangError on a malformed item."""
+    try:
+        meta = item["meta_info"]
+        output_ids = [int(t) for t in item["output_ids"]]
+        finish = meta["finish_reason"]
+        entries = meta.get("output_token_logprobs") or []
+    except (KeyError, TypeError) as e:
+        raise SGLangError(f"unexpected /generate result (missing {e}): {str(item)[:300]}") from None
+    finish_type = finish.get("type") if isinstance(finish, dict) else finish
+    if finish_type not in _FINISH_REASONS:
+        raise SGLangError(f"unexpected finish_reason {finish!r} for request {meta.get('id')!r}")
+    if len(entries) != len(output_ids) or any(int(e[1]) != t for e, t in zip(entries, output_ids)):
+        raise SGLangError(
+            f"request {meta.get('id')!r}: {len(entries)} output log-probs do not match its {len(output_ids)} "
+            f"output tokens"
+        )
+    logprobs = [float(e[0]) for e in entries]
+    version = _version_of(meta.get("weight_version"), current_version)
+    token_versions = [version] * len(output_ids)
+    for span in meta.get("weight_versions") or []:
+        span_version = _version_of(span.get("version"), current_version)
+        for t in range(int(span["start"]), min(int(span["end"]), len(output_ids))):
+            token_versions[t] = span_version
+    return Completion(
+        token_ids=list(request.prefix_ids) + output_ids,
+        logprobs=list(request.prefix_logprobs) + logprobs,
+        finish_reason=_FINISH_REASONS[finish_type],
+        weight_version=version,
+        token_versions=list(request.prefix_versions) + token_versions,
+        request_id=request.request_id,
+    )
+
+
+def _prefix_only(request: GenerateRequest, version: int) -> Completion:
+    """A resumed request whose prefix already used up max_new_tokens."""
+    return Completion(
+        token_ids=list(request.prefix_ids),
+        logprobs=list(request.prefix_logprobs),
+        finish_reason="length",
+        weight_version=version,
+        token_versions=list(request.prefix_versions),
+        request_id=request.request_id,
+    )
+
+
+class SGLangEngine(RolloutEngine):
+    """A RolloutEngine backed by one SGLang server.
+
+    Without `url`, launches the server on this machine (`gpu_ids`, or the GPUs this process sees) listening on
+    `host` (the node's address when a trainer on another node sends weights; `port` None picks a free one) and waits
+    until it is healthy; with `url`, drives a server that is already running. `weight_sync` says how weights arrive:
+    `tensor` (colocated: apply_bucket sends CUDA IPC handles from this process) or `distributed` (split placement:
+    an SGLangWeightSender on the trainer broadcasts them; pass `endpoint` to it).
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        config: SGLangEngineConfig,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        gpu_ids: Sequence[int] | None = None,
+        log_path: str | os.PathLike | None = None,
+        url: str | None = None,
+        weight_sync: Literal["tensor", "distributed"] = "tensor",
+        serializer: Serializer = sglang_serializer,
+        ipc_device: torch.device | str | None = None,
+    ) -> None:
+        self.model_path = str(model_path)
+        self.config = config
+        self.weight_sync = weight_sync
+        self.serializer = serializer
+        if ipc_device is None and torch.cuda.is_available():
+            ipc_device = torch.device("cuda", torch.cuda.current_device())
+        self.ipc_device = ipc_device
+        self.weight_version = 0
+        self._sessions = True
+        self._rng = random.Random(config.random_seed)
+        self.server: SGLangServer | None = None
+        if url is None:
+            port = port or find_free_port(host)
+            url = url_of(host, port)
+            self.server = SGLangServer(
+                build_server_command(config, self.model_path, host=host, port=port),
+                url,
+                env=build_server_env(config, gpu_ids),
+                log_path=log_path,
+                startup_timeout_s=config.startup_timeout_s,
+            ).start()
+        self.url = url
+        self.client = SGLangClient(
+            url, control_timeout_s=config.control_timeout_s, health_timeout_s=config.health_timeout_s
+        )
+
+    @property
+    def endpoint(self) -> SGLangEndpoint:
+        """This engine as an SGLangWeightSender sees it."""
+        return SGLangEndpoint(self.url, self.config.num_gpus())
+
+    # ---- generation ------------------------------------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingParams) -> list[list[Completion]]:
+        payload, slots = build_generate_payload(requests, sampling, self._draw_seed)
+        items: list[Any] = []
+        if payload is not None:
+            items = self._call(self.client.generate, payload, self.config.request_timeout_s)
+            if isinstance(items, dict):
+                items = [items]
+            if not isinstance(items, list) or len(items) != len(payload["input_ids"]):
+                raise SGLangError(
+                    f"SGLang {self.url}/generate answered {type(items).__name__} "
+                    f"{len(items) if isinstance(items, list) else ''} for {len(payload['input_ids'])} items"
+                )
+        results: list[list[Completion]] = [[] for _ in requests]
+        sent = iter(items)
+        for slot in slots:
+            request = requests[slot.request_index]
+            if slot.max_new_tokens == 0:
+                results[slot.request_index].append(_prefix_only(request, self.weight_version))
+            else:
+                results[slot.request_index].append(parse_completion(next(sent), request, self.weight_version))
+        return results
+
+    def _draw_seed(self) -> int:
+        return self._rng.getrandbits(63)
+
+    def abort(self) -> None:
+        self._call(self.client.abort_all)
+
+    # ---- weights ---------------------------------------------------------------------------------------------------
+    def begin_weight_update(self, version: int) -> None:
+        self._call(self.client.pause_generation, self.config.pause_mode)
+        self._sessions = self._call(self.client.begin_weight_update)
+
+    def apply_bucket(self, bucket: Bucket) -> None:
+        if self.weight_sync != "tensor":
+            raise RuntimeError(
+                "SGLangEngine.apply_bucket is the colocated path (weight_sync='tensor'); with weight_sync="
+                f"'{self.weight_sync}' the trainer's SGLangWeightSender broadcasts the buckets to {self.url}"
+            )
+        self._call(
+            send_flattened_bucket,
+            self.client,
+            bucket,
+            num_ranks=self.config.num_gpus(),
+            serializer=self.serializer,
+            device=self.ipc_device,
+        )
+
+    def finish_weight_update(self, version: int) -> None:
+        if self._sessions:
+            self._call(self.client.end_weight_update)
+        self._call(self.client.update_weight_version, str(version))
+        if self.config.pause_mode != "in_place":  # in place keeps the paused requests' KV: SGLang refuses to flush
+            self._call(self.client.flush_cache)
+        self._call(self.client.continue_generation)
+        self.weight_version = version
+
+    def flush_cache(self) -> None:
+        self._call(self.client.flush_cache)
+
+    # ---- memory (colocated training) -------------------------------------------------------------------------------
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Free GPU memory (SGLang tags: weights, kv_cache, cuda_graph; None: all). Call only with no generation in
+        flight: SGLang requires an idle server."""
+        self._require_memory_saver()
+        self._call(self.client.release_memory_occupation, tags)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        self._require_memory_saver()
+        self._call(self.client.resume_memory_occupation, tags)
+
+    def _require_memory_saver(self) -> None:
+        if not self.config.enable_memory_saver:
+            raise UserError(
+                "release_memory / resume_memory need the SGLang server started with --enable-memory-saver: "
+                "set rollout.sglang.enable_memory_saver=true"
+            )
+
+    # ---- health and lifetime ---------------------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"ok": False, "weight_version": self.weight_version, "url": self.url}
+        if self.server is not None and not self.server.is_alive():
+            info["error"] = f"server process exited with code {self.server.process.returncode}"
+            return info
+        try:
+            self.client.health()
+            info["ok"] = True
+        except SGLangError as e:
+            info["error"] = str(e)
+        return info
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    def _call(self, fn, *args, **kwargs):
+        """Run one call on the server; if it fails because the server process died, say so (exit code, log tail)."""
+        try:
+            return fn(*args, **kwargs)
+        except SGLangError as e:
+            if self.server is not None:  # no HTTP status: the connection failed, maybe because the server is dying
+                self.server.check_alive("during the call", wait_s=2.0 if e.status is None else 0.0)
+            raise

@@ -1,0 +1,287 @@
+"""One SGLang HTTP server as a subprocess of the rollout worker: its command line, environment, readiness and shutdown.
+
+The command is `python -m sglang.launch_server` with flags named as in SGLang's `ServerArgs` (checked against sglang
+0.5.23, `srt/arg_groups/fields/*.py`: every field `x_y` is the flag `--x-y`, booleans are bare switches). The server
+runs in its own process group, so shutdown reaches the scheduler and detokenizer processes it spawns too: SIGTERM to
+the group, then SIGKILL after a grace period. Its output goes to a log file whose tail is quoted whenever the server
+fails to start or dies.
+
+Readiness is GET /health_generate answering 200 (SGLang answers 503 while starting and generates one token once up),
+polled until `startup_timeout_s`; a process that exits meanwhile fails at once with its exit code and log tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from megarl.rollout.config import SGLangEngineConfig
+from megarl.rollout.sglang_client import SGLangClient, SGLangError
+
+__all__ = [
+    "MANAGED_ARGS",
+    "SGLangServer",
+    "SGLangServerError",
+    "build_server_args",
+    "build_server_command",
+    "build_server_env",
+    "find_free_port",
+    "url_of",
+]
+
+MANAGED_ARGS = {
+    "model_path": "the rollout model",
+    "host": "the engine's address",
+    "port": "the engine's address",
+    "base_gpu_id": "the engine's GPUs",
+    "gpu_id_step": "the engine's GPUs",
+    "tp_size": "tp",
+    "attn_dp_size": "dp with enable_dp_attention",
+    "dp_size": "dp with enable_dp_attention",
+    "enable_dp_attention": "enable_dp_attention",
+    "ep_size": "ep",
+    "mem_fraction_static": "mem_fraction_static",
+    "dtype": "dtype",
+    "trust_remote_code": "trust_remote_code",
+    "random_seed": "random_seed",
+    "enable_deterministic_inference": "deterministic",
+    "enable_memory_saver": "enable_memory_saver",
+    "skip_server_warmup": "skip_server_warmup",
+}
+"""ServerArgs names the engine sets from its own settings (SGLang's name -> the setting that controls it)."""
+
+ENV_REMOVED = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
+"""Environment variables never passed to the server: SGLANG_RETURN_ORIGINAL_LOGPROB would make SGLang return
+log-probs before temperature scaling, breaking megarl's log-prob convention (see sglang_engine)."""
+
+ENV_REMOVED_WITH_MEMORY_SAVER = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""A training job's allocator settings (expandable segments) that SGLang's memory saver cannot work with."""
+
+LOG_TAIL_LINES = 40
+SHUTDOWN_GRACE_S = 15.0
+
+
+class SGLangServerError(SGLangError):
+    """The server process failed to start, died, or did not become healthy in time."""
+
+
+def build_server_args(
+    config: SGLangEngineConfig, model_path: str | os.PathLike, *, host: str, port: int, base_gpu_id: int = 0
+) -> list[str]:
+    """The server's arguments (without the interpreter and module), in a fixed order."""
+    args = ["--model-path", str(model_path), "--host", host, "--port", str(port)]
+    args += ["--base-gpu-id", str(base_gpu_id), "--tp-size", str(config.tp)]
+    if config.enable_dp_attention and config.dp > 1:
+        args += ["--attn-dp-size", str(config.dp)]
+    if config.ep > 1:
+        args += ["--ep-size", str(config.ep)]
+    if config.mem_fraction_static is not None:
+        args += ["--mem-fraction-static", repr(float(config.mem_fraction_static))]
+    args += ["--dtype", config.dtype]
+    if config.random_seed is not None:
+        args += ["--random-seed", str(config.random_seed)]
+    switches = {
+        "--trust-remote-code": config.trust_remote_code,
+        "--enable-deterministic-inference": config.deterministic,
+        "--enable-memory-saver": config.enable_memory_saver,
+        "--skip-server-warmup": config.skip_server_warmup,
+    }
+    args += [flag for flag, on in switches.items() if on]
+    for name, value in config.extra_args.items():
+        flag = "--" + name.strip("-").replace("_", "-")
+        text = str(value).strip()
+        if text.lower() in ("", "true"):
+            args.append(flag)
+        elif text.lower() != "false":
+            args += [flag, text]
+    return args
+
+
+def build_server_command(
+    config: SGLangEngineConfig,
+    model_path: str | os.PathLike,
+    *,
+    host: str,
+    port: int,
+    base_gpu_id: int = 0,
+    python: str | None = None,
+) -> list[str]:
+    """`python -m sglang.launch_server ...` with this interpreter by default."""
+    head = [python or sys.executable, "-m", "sglang.launch_server"]
+    return head + build_server_args(config, model_path, host=host, port=port, base_gpu_id=base_gpu_id)
+
+
+def build_server_env(
+    config: SGLangEngineConfig, gpu_ids: Sequence[int] | None = None, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The server's environment: `base` (default: this process's), restricted to `gpu_ids` when given.
+
+    With `gpu_ids` the server sees exactly those GPUs (CUDA_VISIBLE_DEVICES) and starts from the first visible one
+    (--base-gpu-id 0); without, it inherits the caller's visible devices (e.g. the ones Ray assigned).
+    """
+    env = dict(os.environ if base is None else base)
+    if gpu_ids is not None:
+        if len(gpu_ids) != config.num_gpus():
+            raise ValueError(f"an engine with tp={config.tp} needs {config.num_gpus()} GPUs, got gpu_ids={gpu_ids}")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpu_ids)
+    for name in ENV_REMOVED:
+        env.pop(name, None)
+    if config.enable_memory_saver:
+        for name in ENV_REMOVED_WITH_MEMORY_SAVER:
+            env.pop(name, None)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on `host` (another process may still take it before it is used)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def url_of(host: str, port: int) -> str:
+    """http://host:port, IPv6 hosts in brackets; a wildcard host is reached through loopback."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class SGLangServer:
+    """A server subprocess: `start()` launches it and waits until healthy, `stop()` ends its process group."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        url: str,
+        *,
+        env: Mapping[str, str] | None = None,
+        log_path: str | os.PathLike | None = None,
+        startup_timeout_s: float = 600.0,
+        poll_interval_s: float = 1.0,
+    ) -> None:
+        self.command = list(command)
+        self.url = url
+        self.env = dict(env) if env is not None else None
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="megarl-sglang-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
+        self.startup_timeout_s = startup_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self.process: subprocess.Popen | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------------
+    def start(self) -> SGLangServer:
+        """Launch and wait until GET /health_generate answers 200. Raises SGLangServerError (exit code and log tail)
+        if the process exits or the deadline passes; the process group is stopped in both cases."""
+        if self.process is not None:
+            raise RuntimeError(f"SGLang server {self.url} already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: stop() reaches the workers it spawns
+            )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        client = SGLangClient(self.url)
+        deadline = time.monotonic() + self.startup_timeout_s
+        last_error = "no answer yet"
+        while True:
+            self.check_alive("while starting")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SGLangServerError(
+                    f"SGLang server {self.url} (pid {self.process.pid}) not healthy after "
+                    f"{self.startup_timeout_s:g} s (last probe: {last_error}); "
+                    f"command: {' '.join(self.command)}\n{self._log_excerpt()}",
+                    url=self.url,
+                )
+            try:
+                # /health_generate waits up to ~20 s for one token while the server is busy
+                client.health_generate(timeout_s=min(max(remaining, 1.0), 30.0))
+                return
+            except SGLangError as e:
+                last_error = str(e)
+            time.sleep(min(self.poll_interval_s, max(deadline - time.monotonic(), 0.0)))
+
+    def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> int | None:
+        """SIGTERM to the server's process group, SIGKILL to what is left after `grace_s`; returns the exit code."""
+        process = self.process
+        if process is None:
+            return None
+        if process.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=grace_s)
+        # whatever is left in the group (SGLang's schedulers outliving their parent) goes too
+        self._signal_group(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=grace_s)
+        return process.returncode
+
+    def _signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, sig)
+
+    # ---- state -----------------------------------------------------------------------------------------------------
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def check_alive(self, when: str = "", wait_s: float = 0.0) -> None:
+        """Raise SGLangServerError with the exit code and log tail if the server process has exited (or exits
+        within `wait_s`: a connection dropped by a dying server comes a moment before its exit)."""
+        if self.process is None:
+            raise SGLangServerError(f"SGLang server {self.url} was never started", url=self.url)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=wait_s)
+        code = self.process.poll()
+        if code is not None:
+            what = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+            raise SGLangServerError(
+                f"SGLang server {self.url} (pid {self.process.pid}) {what}{' ' + when if when else ''}; "
+                f"command: {' '.join(self.command)}\n{self._log_excerpt()}",
+                url=self.url,
+            )
+
+    def log_tail(self, num_lines: int = LOG_TAIL_LINES) -> str:
+        """The last lines of the server's log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(f.tell() - 64 * 1024, 0))
+                lines = f.read().decode("utf-8", errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-num_lines:])
+
+    def _log_excerpt(self) -> str:
+        tail = self.log_tail()
+        return f"last lines of {self.log_path}:\n{tail}" if tail else f"its log {self.log_path} is empty"
+
+    def __enter__(self) -> SGLangServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,140 @@
+"""hf engine weight loading: checkpoint-named tensors written into a live transformers model.
+
+The reference is transformers itself: a model loaded from one random checkpoint and then updated with every tensor
+of another must equal `from_pretrained` of that other checkpoint bit for bit, whatever the bucketing and order.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megarl.bridge.safetensors_io import HFCheckpoint
+from megarl.errors import UserError
+from megarl.rollout.hf_weights import WeightLoader
+from megarl.testing.tiny_checkpoint import make_hf_checkpoint
+
+ARCHITECTURES = [
+    "tiny-llama",
+    "tiny-llama-bias",  # tied embeddings, biases
+    "tiny-qwen2",  # tied embeddings, qkv bias
+    "tiny-qwen3",
+    "tiny-mixtral",  # block_sparse_moe.experts.E.w1/w2/w3 -> mlp.experts.gate_up_proj / down_proj
+    "tiny-qwen3-moe",  # mlp.experts.E.gate/up/down_proj -> fused, with a dense layer
+    "tiny-deepseek-v3",  # MLA, shared experts, first dense layer, expert-selection bias
+    "tiny-deepseek-v3-lite",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy shared CPU they lose a lot."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="module")
+def other_checkpoint(tmp_path_factory):
+    """other_checkpoint(name) -> folder of the same architecture with different random weights (seed 1)."""
+    cache: dict = {}
+    root = tmp_path_factory.mktemp("hf-other")
+
+    def make(name: str):
+        if name not in cache:
+            cache[name] = make_hf_checkpoint(name, root / name, seed=1, with_tokenizer=False)
+        return cache[name]
+
+    return make
+
+
+def load(folder, dtype=torch.float32):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).eval()
+
+
+def assert_same_state(model, reference) -> None:
+    state, expected = model.state_dict(), reference.state_dict()
+    assert state.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert state[name].dtype == tensor.dtype, name
+        assert torch.equal(state[name], tensor), name
+
+
+def shuffled_buckets(checkpoint: HFCheckpoint, bucket_size: int, seed: int = 0):
+    names = list(checkpoint.names)
+    random.Random(seed).shuffle(names)
+    for start in range(0, len(names), bucket_size):
+        yield [(name, checkpoint.get(name)) for name in names[start : start + bucket_size]]
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_update_equals_from_pretrained(name, hf_checkpoint, other_checkpoint):
+    target = hf_checkpoint(name)
+    model, reference = load(other_checkpoint(name)), load(target)
+    checkpoint = HFCheckpoint(target)
+    loader = WeightLoader(model)
+    assert sorted(loader.names) == sorted(checkpoint.names)  # the plan's names are what save_pretrained wrote
+    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+
+    for bucket in shuffled_buckets(checkpoint, bucket_size=7):  # experts of one fused tensor land in many buckets
+        loader.load(bucket)
+    assert loader.missing() == []
+    assert loader.counts.num_tensors == len(checkpoint.names)
+    assert_same_state(model, reference)
+    ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_cast_to_model_dtype_matches_from_pretrained(hf_checkpoint, other_checkpoint):
+    """fp32 tensors into a bf16 model round exactly as from_pretrained(dtype=bf16) does."""
+    target = hf_checkpoint("tiny-qwen3-moe")
+    model = load(other_checkpoint("tiny-qwen3-moe"), torch.bfloat16)
+    loader = WeightLoader(model)
+    for bucket in shuffled_buckets(HFCheckpoint(target), bucket_size=50, seed=1):
+        loader.load(bucket)
+    assert_same_state(model, load(target, torch.bfloat16))
+
+
+def test_partial_update_writes_only_its_expert(hf_checkpoint, other_checkpoint):
+    target = hf_checkpoint("tiny-mixtral")
+    model = load(other_checkpoint("tiny-mixtral"))
+    before = model.model.layers[1].mlp.experts.gate_up_proj.detach().clone()
+    w3 = HFCheckpoint(target).get("model.layers.1.block_sparse_moe.experts.3.w3.weight")  # up projection [I, H]
+    loader = WeightLoader(model)
+    loader.load([("model.layers.1.block_sparse_moe.experts.3.w3.weight", w3)])
+    after = model.model.layers[1].mlp.experts.gate_up_proj
+    intermediate = w3.shape[0]
+    assert torch.equal(after[3, intermediate:], w3)
+    changed = (after != before).any(dim=-1)  # [E, 2I]
+    assert changed[3, intermediate:].all() and changed.sum() == intermediate
+    assert len(loader.missing()) == len(loader.names) - 1
+
+
+def test_unknown_and_misshaped_names_fail_naming_the_tensor(hf_checkpoint):
+    model = load(hf_checkpoint("tiny-qwen3"))
+    loader = WeightLoader(model)
+    good = ("model.norm.weight", torch.ones(64))
+    with pytest.raises(UserError, match=r"'model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight'"):
+        loader.load([good, ("model.layers.0.mlp.experts.0.gate_proj.weight", torch.zeros(128, 64))])
+    with pytest.raises(UserError, match=r"'model\.norm\.weight' has shape \(65,\); the model expects \(64,\)"):
+        loader.load([("model.norm.weight", torch.zeros(65))])
+    assert loader.counts.num_tensors == 0  # a bad bucket changes nothing
+
+
+def test_derived_buffers_and_extra_layers_are_skipped_and_counted(hf_checkpoint):
+    model = load(hf_checkpoint("tiny-deepseek-v3"))  # 4 layers + 1 multi-token-prediction layer on disk
+    loader = WeightLoader(model)
+    loader.load(
+        [
+            ("model.rotary_emb.inv_freq", torch.zeros(4)),
+            ("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(4)),  # old checkpoints kept one per layer
+            ("model.layers.4.eh_proj.weight", torch.zeros(64, 128)),
+            ("model.layers.4.mlp.experts.0.gate_proj.weight", torch.zeros(32, 64)),
+        ]
+    )
+    assert loader.counts.num_skipped == 4 and loader.counts.num_tensors == 0

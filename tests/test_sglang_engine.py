@@ -1,0 +1,548 @@
+"""The sglang engine's client path: request payloads, response parsing, weight updates, health and errors.
+
+SGLang itself cannot be installed or run on this CPU machine. What stands in for it:
+- recorded response shapes, written from SGLang's source (sglang 0.5.23: `meta_info` built in
+  `srt/managers/tokenizer_manager.py`, finish reasons from `FINISH_*.to_json` in `srt/managers/schedule_batch.py`,
+  error bodies from `srt/entrypoints/http_server.py`);
+- a fake SGLang HTTP server (stdlib http.server in a thread on 127.0.0.1) implementing the endpoints the engine
+  uses, with SGLang's request bodies, answers and failure shapes; it rebuilds flattened weight buckets the way
+  SGLang's `FlattenedTensorBucket` does. The payload of /generate was also checked against SGLang's own JSON
+  contract decoder (`sglang.api.v1.api_types.GenerateRequest`) while writing these tests;
+- the colocated transport's CUDA IPC serializer is SGLang's own (GPU only); a pickle stand-in with the same dict
+  layout carries CPU tensors here.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import importlib.util
+import json
+import pickle
+import random
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+import torch
+
+from megarl.errors import UserError
+from megarl.rollout.config import SamplingParams, SGLangEngineConfig
+from megarl.rollout.engine import GenerateRequest, sample_seed
+from megarl.rollout.sglang_client import SGLangClient, SGLangError
+from megarl.rollout.sglang_engine import SGLangEngine, build_generate_payload, parse_completion
+from megarl.rollout.sglang_server import SGLangServerError, find_free_port
+from megarl.rollout.sglang_weights import pickle_serializer
+
+# ---- recorded shapes ---------------------------------------------------------------------------------------------
+
+STOP_ITEM = {
+    "text": "ab",
+    "output_ids": [11, 12, 2],
+    "meta_info": {
+        "id": "q1/0",
+        "finish_reason": {"type": "stop", "matched": 2},
+        "prompt_tokens": 3,
+        "weight_version": "4",
+        "num_retractions": 0,
+        "output_token_logprobs": [[-0.25, 11, None], [-1.5, 12, None], [-0.125, 2, None]],
+        "output_token_logprobs_length": 3,
+        "reasoning_tokens": 0,
+        "completion_tokens": 3,
+        "cached_tokens": 0,
+        "e2e_latency": 0.05,
+    },
+}
+
+LENGTH_ITEM = {
+    "text": "xyz",
+    "output_ids": [7, 8],
+    "meta_info": {
+        "id": "q2/1",
+        "finish_reason": {"type": "length", "length": 2},
+        "prompt_tokens": 4,
+        "weight_version": "default",
+        "output_token_logprobs": [[-2.0, 7, None], [-0.5, 8, None]],
+        "completion_tokens": 2,
+        "cached_tokens": 4,
+    },
+}
+
+ABORT_ITEM = {
+    "text": "a",
+    "output_ids": [5],
+    "meta_info": {
+        "id": "q3/0",
+        "finish_reason": {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None},
+        "weight_version": "4",
+        "output_token_logprobs": [[-0.75, 5, None]],
+        "completion_tokens": 1,
+    },
+}
+
+SPANNING_ITEM = {  # a request that ran across a weight update (pause_mode retract / in_place)
+    "text": "abcd",
+    "output_ids": [1, 2, 3, 4],
+    "meta_info": {
+        "id": "q4/0",
+        "finish_reason": {"type": "length", "length": 4},
+        "weight_version": "6",
+        "weight_versions": [{"version": "5", "start": 0, "end": 3}, {"version": "6", "start": 3, "end": 4}],
+        "output_token_logprobs": [[-1.0, 1, None], [-1.0, 2, None], [-1.0, 3, None], [-1.0, 4, None]],
+    },
+}
+
+
+def test_payload_one_item_per_sample_with_sglang_names_and_seeds():
+    requests = [
+        GenerateRequest([1, 2, 3], seed=5, request_id="q1"),
+        GenerateRequest([4, 5], request_id="q2", prefix_ids=[6], prefix_logprobs=[-0.5], prefix_versions=[2]),
+    ]
+    sampling = SamplingParams(
+        n=2, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=8, stop=["\n\n"], stop_token_ids=[2]
+    )
+    payload, slots = build_generate_payload(requests, sampling, draw_seed=iter([101]).__next__)
+    common = {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "ignore_eos": False,
+        "stop": ["\n\n"],
+        "stop_token_ids": [2],
+    }
+    assert payload == {
+        "input_ids": [[1, 2, 3], [1, 2, 3], [4, 5, 6], [4, 5, 6]],
+        "sampling_params": [
+            {**common, "max_new_tokens": 8, "sampling_seed": sample_seed(5, 0)},
+            {**common, "max_new_tokens": 8, "sampling_seed": sample_seed(5, 1)},
+            {**common, "max_new_tokens": 7, "sampling_seed": sample_seed(101, 0)},  # drawn once per request
+            {**common, "max_new_tokens": 7, "sampling_seed": sample_seed(101, 1)},
+        ],
+        "return_logprob": True,
+        "rid": ["q1/0", "q1/1", "q2/0", "q2/1"],
+    }
+    assert [(s.request_index, s.sample_index, s.max_new_tokens) for s in slots] == [
+        (0, 0, 8), (0, 1, 8), (1, 0, 7), (1, 1, 7)
+    ]  # fmt: skip
+    json.dumps(payload)  # JSON as sent
+
+
+def test_payload_greedy_and_minimal():
+    payload, _ = build_generate_payload([GenerateRequest([9])], SamplingParams(temperature=0.0, top_k=5))
+    assert payload["sampling_params"] == [
+        {"temperature": 0.0, "top_p": 1.0, "top_k": 5, "max_new_tokens": 256, "ignore_eos": False}
+    ]
+    assert len(payload["rid"][0]) == 32 + 2  # a fresh id when the caller gives none
+
+
+def test_payload_skips_prefixes_that_fill_the_budget_and_rejects_bad_requests():
+    full = GenerateRequest([1], prefix_ids=[4, 5], prefix_logprobs=[-1.0, -2.0], prefix_versions=[0, 1])
+    payload, slots = build_generate_payload([full], SamplingParams(max_new_tokens=2))
+    assert payload is None and [s.max_new_tokens for s in slots] == [0]
+    with pytest.raises(UserError, match=r"requests\[0\].prompt_ids is empty"):
+        build_generate_payload([GenerateRequest([])], SamplingParams())
+    with pytest.raises(UserError, match=r"unique .* repeated: \['x'\]"):
+        build_generate_payload([GenerateRequest([1], request_id="x")] * 2, SamplingParams())
+    with pytest.raises(UserError, match=r"requests\[1\] has 2 prefix_ids but 1 prefix_logprobs and 0 prefix_versions"):
+        build_generate_payload([GenerateRequest([1]), GenerateRequest([1], prefix_ids=[2, 3], prefix_logprobs=[-1.0])],
+                               SamplingParams())  # fmt: skip
+
+
+def test_parse_stop_length_abort():
+    stop = parse_completion(STOP_ITEM, GenerateRequest([1, 2, 3], request_id="q1"), current_version=4)
+    assert stop.token_ids == [11, 12, 2] and stop.logprobs == [-0.25, -1.5, -0.125]
+    assert stop.finish_reason == "stop" and stop.weight_version == 4 and stop.token_versions == [4, 4, 4]
+    assert stop.request_id == "q1"
+    length = parse_completion(LENGTH_ITEM, GenerateRequest([1]), current_version=0)  # SGLang's initial "default"
+    assert length.finish_reason == "length" and length.weight_version == 0 and length.token_versions == [0, 0]
+    abort = parse_completion(ABORT_ITEM, GenerateRequest([1]), current_version=4)
+    assert abort.finish_reason == "abort" and abort.token_ids == [5] and abort.logprobs == [-0.75]
+
+
+def test_parse_prefix_and_version_spans():
+    request = GenerateRequest([9], prefix_ids=[20, 21], prefix_logprobs=[-3.0, -4.0], prefix_versions=[3, 4])
+    c = parse_completion(SPANNING_ITEM, request, current_version=6)
+    assert c.token_ids == [20, 21, 1, 2, 3, 4]
+    assert c.logprobs == [-3.0, -4.0, -1.0, -1.0, -1.0, -1.0]
+    assert c.token_versions == [3, 4, 5, 5, 5, 6] and c.weight_version == 6
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ({"output_ids": [1]}, "missing 'meta_info'"),
+        ({**STOP_ITEM, "meta_info": {**STOP_ITEM["meta_info"], "finish_reason": None}}, "unexpected finish_reason"),
+        (
+            {**STOP_ITEM, "meta_info": {**STOP_ITEM["meta_info"], "output_token_logprobs": [[-1.0, 11, None]]}},
+            "1 output log-probs do not match its 3 output tokens",
+        ),
+    ],
+)
+def test_parse_rejects_malformed_items(item, message):
+    with pytest.raises(SGLangError, match=message):
+        parse_completion(item, GenerateRequest([1]), current_version=0)
+
+
+# ---- a fake SGLang server ----------------------------------------------------------------------------------------
+
+
+class FakeSGLang:
+    """The endpoints SGLangEngine uses, answering as SGLang does. `calls` records (path, body) in order."""
+
+    def __init__(self, *, sessions: bool = True) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.version = "default"
+        self.weights: dict[str, torch.Tensor] = {}
+        self.sessions = sessions
+        self.session_open = False
+        self.fail_update: str | None = None
+        self.flush_refusals = 0
+        self.delay: dict[str, float] = {}
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self._serve(None)
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                self._serve(json.loads(self.rfile.read(length)) if length else None)
+
+            def _serve(self, body):
+                path = self.path.split("?")[0]
+                fake.calls.append((path, body))
+                time.sleep(fake.delay.get(path, 0.0))
+                status, answer = fake.route(path, body)
+                data = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
+                with contextlib.suppress(ConnectionError):  # the client may have timed out already
+                    self.send_response(status)
+                    self.send_header("Content-Type", "text/plain" if isinstance(answer, str) else "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def paths(self) -> list[str]:
+        return [path for path, _ in self.calls]
+
+    # ---- SGLang's behaviour, endpoint by endpoint ----
+    def route(self, path: str, body: Any) -> tuple[int, Any]:
+        handler = getattr(self, "on" + path.replace("/", "_"), None)
+        if handler is None or (path in ("/begin_weight_update", "/end_weight_update") and not self.sessions):
+            return 404, {"detail": "Not Found"}
+        return handler(body)
+
+    def on_health(self, body):
+        return 200, ""
+
+    on_health_generate = on_health
+
+    def on_generate(self, body):
+        if any(not ids for ids in body["input_ids"]):
+            return 400, {"error": {"message": "input_ids cannot be empty."}}
+        return 200, [self._generate_one(ids, p, rid) for ids, p, rid in zip(body["input_ids"], body["sampling_params"],
+                                                                            body["rid"])]  # fmt: skip
+
+    def _generate_one(self, input_ids, params, rid):
+        """Tokens from (seed, prompt); a stop token ends (and stays in) the output."""
+        rng = random.Random(params.get("sampling_seed", 0) * 1_000_003 + sum(input_ids))
+        output, logprobs, finish = [], [], {"type": "length", "length": params["max_new_tokens"]}
+        for k in range(params["max_new_tokens"]):
+            token = rng.randrange(10, 60)
+            output.append(token)
+            logprobs.append([-(k + 1) / 8, token, None])
+            if token in params.get("stop_token_ids", []):
+                finish = {"type": "stop", "matched": token}
+                break
+        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(input_ids), "weight_version": self.version,
+                "output_token_logprobs": logprobs, "completion_tokens": len(output), "cached_tokens": 0}  # fmt: skip
+        return {"text": "", "output_ids": output, "meta_info": meta}
+
+    def on_flush_cache(self, body):
+        if self.flush_refusals:
+            self.flush_refusals -= 1
+            return 400, "Flush cache failed: requests are still running.\n"
+        return 200, "Cache flushed.\n"
+
+    def on_abort_request(self, body):
+        return 200, ""
+
+    def on_pause_generation(self, body):
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def on_continue_generation(self, body):
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    def on_begin_weight_update(self, body):
+        if self.session_open:
+            return 400, {"success": False, "message": "a weight-update session is already open"}
+        self.session_open = True
+        return 200, {"success": True, "message": "Success"}
+
+    def on_end_weight_update(self, body):
+        self.session_open = False
+        return 200, {"success": True, "message": "Success"}
+
+    def on_update_weight_version(self, body):
+        self.version = body["new_version"]
+        return 200, {
+            "success": True,
+            "message": f"Weight version updated to {self.version}",
+            "new_version": self.version,
+        }
+
+    def on_update_weights_from_tensor(self, body):
+        if self.sessions and not self.session_open:
+            return 400, {"success": False, "message": "update_weights_from_tensor must run between "
+                         "begin_weight_update() and end_weight_update()"}  # fmt: skip
+        if self.fail_update:
+            return 400, {"success": False, "message": self.fail_update}
+        assert body["load_format"] == "flattened_bucket"
+        for rank_payload in body["serialized_named_tensors"]:  # each rank reads its own copy
+            data = pickle.loads(base64.b64decode(rank_payload))
+            for meta in data["metadata"]:  # FlattenedTensorBucket.reconstruct_tensors (0.5.23)
+                flat = data["flattened_tensor"]
+                tensor = flat[meta.start_idx : meta.end_idx].view(meta.dtype).reshape(meta.shape)
+                self.weights[meta.name] = tensor.clone()
+        return 200, {"success": True, "message": "Success"}
+
+    def on_release_memory_occupation(self, body):
+        return 200, None
+
+    on_resume_memory_occupation = on_release_memory_occupation
+
+
+@pytest.fixture
+def fake():
+    server = FakeSGLang()
+    yield server
+    server.close()
+
+
+def make_engine(fake: FakeSGLang, **config) -> SGLangEngine:
+    return SGLangEngine("/ckpt/tiny", SGLangEngineConfig(**config), url=fake.url, serializer=pickle_serializer)
+
+
+def test_generate_through_fake_server(fake):
+    engine = make_engine(fake, random_seed=3)
+    requests = [GenerateRequest([1, 2, 3], seed=11, request_id="a"), GenerateRequest([4, 5, 6, 7])]
+    sampling = SamplingParams(n=3, temperature=1.0, max_new_tokens=5, stop_token_ids=[12])
+    results = engine.generate(requests, sampling)
+    assert [len(r) for r in results] == [3, 3]
+    path, body = fake.calls[-1]
+    assert path == "/generate" and len(body["input_ids"]) == 6 and body["return_logprob"] is True
+    for j, completion in enumerate(results[0]):
+        seed = sample_seed(11, j)
+        expected = fake._generate_one([1, 2, 3], {"sampling_seed": seed, "max_new_tokens": 5, "stop_token_ids": [12]},
+                                      f"a/{j}")  # fmt: skip
+        assert completion.token_ids == expected["output_ids"]
+        assert completion.logprobs == [e[0] for e in expected["meta_info"]["output_token_logprobs"]]
+        assert completion.finish_reason == expected["meta_info"]["finish_reason"]["type"]
+        assert completion.request_id == "a" and completion.weight_version == 0
+    assert len({tuple(c.token_ids) for c in results[0]}) == 3  # each sample its own seed
+    again = engine.generate(requests[:1], sampling)  # the same seeds give the same completions
+    assert [c.token_ids for c in again[0]] == [c.token_ids for c in results[0]]
+    stops = [c for r in results for c in r if c.finish_reason == "stop"]
+    assert all(c.token_ids[-1] == 12 for c in stops)
+    (first,) = engine.generate(requests[:1], SamplingParams(max_new_tokens=5, stop_token_ids=list(range(60))))[0]
+    assert first.finish_reason == "stop" and len(first.token_ids) == len(first.logprobs) == 1  # stop token kept
+    assert engine.generate([], sampling) == []
+
+
+def test_generate_resumes_partial_rollouts(fake):
+    engine = make_engine(fake)
+    resumed = GenerateRequest([1, 2], seed=1, prefix_ids=[30, 31], prefix_logprobs=[-0.1, -0.2], prefix_versions=[0, 0])
+    done = GenerateRequest([3], prefix_ids=[40, 41, 42], prefix_logprobs=[-1.0] * 3, prefix_versions=[0, 1, 1])
+    (r1,), (r2,) = engine.generate([resumed, done], SamplingParams(max_new_tokens=3))
+    assert fake.calls[-1][1]["input_ids"] == [[1, 2, 30, 31]]  # `done` needs no server call
+    assert fake.calls[-1][1]["sampling_params"][0]["max_new_tokens"] == 1
+    assert r1.token_ids[:2] == [30, 31] and len(r1.token_ids) == 3 and r1.logprobs[:2] == [-0.1, -0.2]
+    assert r2.token_ids == [40, 41, 42] and r2.finish_reason == "length" and r2.token_versions == [0, 1, 1]
+
+
+def test_colocated_weight_update_through_fake_server(fake):
+    engine = make_engine(fake, tp=2)
+    w = torch.randn(6, 4)
+    bucket = [("w", w.t()), ("b", torch.randn(5, dtype=torch.bfloat16)), ("step", torch.tensor(3))]
+    stats = engine.update_weights([bucket, [("emb", torch.randn(3, 2, dtype=torch.bfloat16))]], version=7)
+    assert stats.num_tensors == 4 and engine.weight_version == 7
+    assert fake.paths() == [
+        "/pause_generation", "/begin_weight_update",
+        "/update_weights_from_tensor", "/update_weights_from_tensor", "/update_weights_from_tensor",  # 3 dtypes
+        "/update_weights_from_tensor",
+        "/end_weight_update", "/update_weight_version", "/flush_cache", "/continue_generation",
+    ]  # fmt: skip
+    assert fake.calls[0][1] == {"mode": "abort"}
+    tensor_calls = [body for path, body in fake.calls if path == "/update_weights_from_tensor"]
+    assert all(len(b["serialized_named_tensors"]) == 2 and b["flush_cache"] is False for b in tensor_calls)
+    assert fake.calls[7][1] == {"new_version": "7", "abort_all_requests": False}
+    for name, tensor in [*bucket, ("emb", None)]:
+        if tensor is not None:
+            assert fake.weights[name].dtype == tensor.dtype and torch.equal(fake.weights[name], tensor)
+    (c,) = engine.generate([GenerateRequest([1])], SamplingParams(max_new_tokens=2))[0]
+    assert c.weight_version == 7 and c.token_versions == [7, 7]
+
+
+def test_weight_update_on_sglang_without_sessions(fake):
+    fake.sessions = False  # older SGLang: no /begin_weight_update
+    engine = make_engine(fake, pause_mode="retract")
+    engine.update_weights([[("w", torch.ones(2))]], version=1)
+    assert fake.paths() == ["/pause_generation", "/begin_weight_update", "/update_weights_from_tensor",
+                            "/update_weight_version", "/flush_cache", "/continue_generation"]  # fmt: skip
+    assert fake.calls[0][1] == {"mode": "retract"}
+
+
+def test_weight_update_failure_is_a_clear_error(fake):
+    engine = make_engine(fake)
+    fake.fail_update = "Failed to update parameter online: size mismatch for model.layers.0.mlp.up_proj.weight."
+    engine.begin_weight_update(1)
+    with pytest.raises(SGLangError) as info:
+        engine.apply_bucket([("model.layers.0.mlp.up_proj.weight", torch.zeros(2, 2))])
+    message = str(info.value)
+    assert f"{fake.url}/update_weights_from_tensor" in message and "HTTP 400" in message
+    assert "size mismatch for model.layers.0.mlp.up_proj.weight" in message
+    assert info.value.status == 400
+
+
+def test_distributed_engines_take_weights_from_the_sender(fake):
+    engine = SGLangEngine("/ckpt", SGLangEngineConfig(tp=4), url=fake.url, weight_sync="distributed")
+    assert engine.endpoint.url == fake.url and engine.endpoint.num_ranks == 4
+    with pytest.raises(RuntimeError, match="SGLangWeightSender broadcasts the buckets"):
+        engine.apply_bucket([("w", torch.ones(1))])
+
+
+def test_http_errors_carry_url_status_and_message(fake):
+    engine = make_engine(fake)
+    with pytest.raises(SGLangError, match=r"POST .*/generate failed: HTTP 400: input_ids cannot be empty"):
+        engine.client.generate({"input_ids": [[]], "sampling_params": [{}], "rid": ["x"]}, timeout_s=5)
+    with pytest.raises(SGLangError, match=r"/no_such_endpoint failed: HTTP 404: Not Found"):
+        engine.client.control("/no_such_endpoint")
+    fake.flush_refusals = 2  # SGLang refuses to flush while requests run: retried
+    engine.flush_cache()
+    assert fake.paths()[-3:] == ["/flush_cache"] * 3
+    fake.flush_refusals = 100
+    with pytest.raises(SGLangError, match="HTTP 400: Flush cache failed: requests are still running"):
+        engine.client.flush_cache(timeout_s=0.6)
+
+
+def test_health_and_timeouts_are_bounded(fake):
+    engine = make_engine(fake, health_timeout_s=0.3, request_timeout_s=0.5)
+    assert engine.health() == {"ok": True, "weight_version": 0, "url": fake.url}
+    fake.delay["/health"] = 2.0
+    start = time.monotonic()
+    health = engine.health()
+    assert time.monotonic() - start < 1.5
+    assert health["ok"] is False and "timed out after 0.3 s" in health["error"]
+    fake.delay["/generate"] = 2.0
+    with pytest.raises(SGLangError, match=r"/generate timed out after 0.5 s"):
+        engine.generate([GenerateRequest([1])], SamplingParams(max_new_tokens=1))
+
+
+def test_unreachable_server():
+    url = f"http://127.0.0.1:{find_free_port()}"
+    engine = SGLangEngine("/ckpt", SGLangEngineConfig(health_timeout_s=1.0), url=url)
+    health = engine.health()
+    assert health["ok"] is False and "cannot connect" in health["error"] and url in health["error"]
+    with pytest.raises(SGLangError, match="cannot connect"):
+        SGLangClient(url).flush_cache(timeout_s=1.0)
+
+
+def test_abort_and_memory(fake):
+    engine = make_engine(fake)
+    engine.abort()
+    assert fake.calls[-1] == ("/abort_request", {"abort_all": True})
+    with pytest.raises(UserError, match="rollout.sglang.enable_memory_saver=true"):
+        engine.release_memory()
+    engine = make_engine(fake, enable_memory_saver=True)
+    engine.release_memory()
+    engine.resume_memory(["weights"])
+    engine.resume_memory()
+    assert fake.calls[-3:] == [
+        ("/release_memory_occupation", {"tags": None}),
+        ("/resume_memory_occupation", {"tags": ["weights"]}),
+        ("/resume_memory_occupation", {"tags": None}),
+    ]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed: it would start")
+def test_launched_server_that_dies_reports_exit_code_and_log(tmp_path):
+    """The real launch path: `python -m sglang.launch_server` exits at once here (no sglang installed)."""
+    config = SGLangEngineConfig(startup_timeout_s=60)
+    start = time.monotonic()
+    with pytest.raises(SGLangServerError) as info:
+        SGLangEngine("/ckpt/tiny", config, log_path=tmp_path / "sglang.log")
+    assert time.monotonic() - start < 20
+    message = str(info.value)
+    assert "exited with code 1 while starting" in message
+    assert "No module named 'sglang'" in message and f"{sys.executable} -m sglang.launch_server" in message
+
+
+STAND_IN_LAUNCH_SERVER = '''
+"""A stand-in for `python -m sglang.launch_server`: parses the real command line, serves a few endpoints."""
+import argparse, json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+parser = argparse.ArgumentParser()
+for flag in ("--model-path", "--host", "--port", "--base-gpu-id", "--tp-size", "--dtype"):
+    parser.add_argument(flag, required=True)
+parser.add_argument("--skip-server-warmup", action="store_true")
+args = parser.parse_args()
+print("argv", json.dumps(sys.argv[1:]), flush=True)
+print("SGLANG_RETURN_ORIGINAL_LOGPROB", os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB"), flush=True)
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self):
+        print("scheduler crashed: CUDA error: an illegal memory access was encountered", flush=True)
+        os._exit(7)
+
+    def log_message(self, *a):
+        pass
+
+HTTPServer((args.host, int(args.port)), Handler).serve_forever()
+'''
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed: it would shadow")
+def test_launch_path_with_a_stand_in_sglang_module(tmp_path, monkeypatch):
+    """SGLangEngine's own launch: the real command line reaches a stand-in `sglang.launch_server`, which becomes
+    healthy, then dies on the first generate call: the error carries its exit code and last log lines."""
+    package = tmp_path / "stand_in" / "sglang"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "launch_server.py").write_text(STAND_IN_LAUNCH_SERVER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "stand_in"))
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    engine = SGLangEngine("/ckpt/tiny", SGLangEngineConfig(startup_timeout_s=30), log_path=tmp_path / "s.log")
+    try:
+        assert engine.health()["ok"] and engine.url.startswith("http://127.0.0.1:")
+        log = engine.server.log_tail()
+        assert '"--model-path", "/ckpt/tiny", "--host", "127.0.0.1"' in log and "--skip-server-warmup" in log
+        assert "SGLANG_RETURN_ORIGINAL_LOGPROB None" in log  # removed from the server's environment
+        with pytest.raises(SGLangServerError) as info:
+            engine.generate([GenerateRequest([1, 2])], SamplingParams(max_new_tokens=2))
+        message = str(info.value)
+        assert "exited with code 7 during the call" in message and "an illegal memory access" in message
+        assert engine.health() == {"ok": False, "weight_version": 0, "url": engine.url,
+                                   "error": "server process exited with code 7"}  # fmt: skip
+    finally:
+        engine.shutdown()

@@ -1,0 +1,133 @@
+"""GPU tier of the sglang backend: a real SGLang server with a tiny model.
+
+Skipped unless CUDA and sglang are importable (SGLang's full install is CUDA-only; the CPU tiers in
+test_sglang_server.py, test_sglang_engine.py and test_sglang_weights.py cover everything up to SGLang's boundary).
+Checks what only a real server can: the command line starts it, generated log-probs follow megarl's convention
+(log_softmax(logits / T) before top-k / top-p) against the HF model, weights load through update_weights_from_tensor
+(CUDA IPC) and update_weights_from_distributed, and per-request seeds reproduce completions in deterministic mode.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from megarl.rollout.config import SamplingParams, SGLangEngineConfig
+from megarl.rollout.engine import GenerateRequest
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs sglang"),
+]
+
+PROMPTS = [[5, 17, 42, 9, 100], [300, 2, 77]]
+
+
+def server_config(**kwargs) -> SGLangEngineConfig:
+    # tiny-llama has head_dim 16: triton attention handles it; no CUDA graphs to keep start-up short
+    extra = {"attention_backend": "triton", "cuda_graph_backend_decode": "disabled", "log_level": "warning"}
+    return SGLangEngineConfig(dtype="bfloat16", mem_fraction_static=0.2, extra_args=extra, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(hf_checkpoint, tmp_path_factory):
+    from megarl.testing.tiny_checkpoint import make_hf_checkpoint
+
+    first = hf_checkpoint("tiny-llama", dtype=torch.bfloat16)
+    second = make_hf_checkpoint("tiny-llama", tmp_path_factory.mktemp("second"), dtype=torch.bfloat16, seed=1)
+    return first, second
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints, tmp_path_factory):
+    from megarl.rollout.sglang_engine import SGLangEngine
+
+    engine = SGLangEngine(checkpoints[0], server_config(), log_path=tmp_path_factory.mktemp("log") / "sglang.log")
+    yield engine
+    engine.shutdown()
+
+
+def hf_state(folder) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    return sorted(load_file(str(folder / "model.safetensors")).items())
+
+
+def reference_logprobs(folder, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of the HF model at each generated token (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    ids = torch.tensor([prompt + tokens], device="cuda")
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(-1, torch.tensor(tokens, device="cuda")[:, None])[:, 0].cpu()
+
+
+def check_logprobs(folder, engine, temperature: float = 0.7) -> None:
+    sampling = SamplingParams(temperature=temperature, top_k=5, top_p=0.9, max_new_tokens=8, ignore_eos=True)
+    results = engine.generate([GenerateRequest(p) for p in PROMPTS], sampling)
+    for prompt, (completion,) in zip(PROMPTS, results):
+        assert len(completion.token_ids) == 8 and completion.finish_reason == "length"
+        got = torch.tensor(completion.logprobs)
+        want = reference_logprobs(folder, prompt, completion.token_ids, temperature)
+        unscaled = reference_logprobs(folder, prompt, completion.token_ids, 1.0)
+        assert (got - want).abs().max() < 0.1, (got, want)  # a bf16 server against an fp32 reference
+        assert (got - want).abs().mean() < (got - unscaled).abs().mean()  # temperature-scaled, not raw
+
+
+def test_generate_with_logprobs_in_megarl_convention(checkpoints, engine):
+    assert engine.health()["ok"]
+    check_logprobs(checkpoints[0], engine)
+
+
+def test_update_weights_from_tensor(checkpoints, engine):
+    engine.update_weights([hf_state(checkpoints[1])], version=1)
+    check_logprobs(checkpoints[1], engine)
+    (completion,) = engine.generate([GenerateRequest(PROMPTS[0])], SamplingParams(max_new_tokens=2))[0]
+    assert completion.weight_version == 1 and completion.token_versions == [1, 1]
+
+
+def test_update_weights_from_distributed(checkpoints, engine):
+    from megarl.rollout.sglang_weights import SGLangWeightSender
+
+    # one GPU cannot hold two NCCL ranks: gloo carries the broadcast here (nccl across GPUs in production)
+    sender = SGLangWeightSender([engine.endpoint], master_address="127.0.0.1", backend="gloo", device="cpu")
+    with sender:
+        engine.begin_weight_update(2)
+        state = hf_state(checkpoints[0])
+        sender.send([state[: len(state) // 2], state[len(state) // 2 :]])
+        engine.finish_weight_update(2)
+    check_logprobs(checkpoints[0], engine)
+    assert engine.weight_version == 2
+
+
+def test_release_and_resume_memory(checkpoints, tmp_path):
+    from megarl.rollout.sglang_engine import SGLangEngine
+
+    engine = SGLangEngine(checkpoints[0], server_config(enable_memory_saver=True), log_path=tmp_path / "s.log")
+    try:
+        engine.release_memory()
+        engine.resume_memory()
+        check_logprobs(checkpoints[0], engine)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_seeds_reproduce_completions_in_deterministic_mode(checkpoints, tmp_path):
+    from megarl.rollout.sglang_engine import SGLangEngine
+
+    engine = SGLangEngine(checkpoints[0], server_config(deterministic=True), log_path=tmp_path / "s.log")
+    try:
+        sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, ignore_eos=True)
+        first = engine.generate([GenerateRequest(PROMPTS[0], seed=3)], sampling)[0]
+        again = engine.generate([GenerateRequest(PROMPTS[1]), GenerateRequest(PROMPTS[0], seed=3)], sampling)[1]
+        assert [c.token_ids for c in first] == [c.token_ids for c in again]
+        assert len({tuple(c.token_ids) for c in first}) > 1  # each sample its own seed
+    finally:
+        engine.shutdown()

@@ -1,0 +1,300 @@
+"""Weight sync into SGLang: bucket flattening per dtype, its payload, and the split transport over a process group.
+
+SGLang itself cannot be installed or run on this CPU machine. What stands in for it:
+- for the colocated payload, SGLang's reconstruction (`FlattenedTensorBucket.reconstruct_tensors`: slice by offsets,
+  view as the dtype, reshape; older SGLang: slice, reshape, cast) is restated here and must give back every tensor
+  bit for bit. (While writing these tests the same payloads were also decoded with sglang 0.5.23's own
+  `MultiprocessingSerializer` and `FlattenedTensorBucket`.) The CUDA IPC serializer itself needs a GPU;
+- for the split transport, a stand-in receiver process runs a small HTTP server with SGLang's
+  /init_weights_update_group, /update_weights_from_distributed and /destroy_weights_update_group, joins the group
+  the way SGLang's worker does (`init_custom_process_group`: TCP rendezvous, a PrefixStore named after the group,
+  `_new_process_group_helper`) and receives each tensor by a broadcast from rank 0, over gloo on CPU instead of NCCL.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import multiprocessing as mp
+import pickle
+import queue
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from megarl.rollout.sglang_client import SGLangError
+from megarl.rollout.sglang_weights import (
+    FlatBucket,
+    SGLangEndpoint,
+    SGLangWeightSender,
+    flatten_by_dtype,
+    pickle_serializer,
+    sglang_serializer,
+    unflatten,
+)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, for bit-exact comparisons (NaN payloads and -0.0 included)."""
+    return t.contiguous().view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor, name: str = "") -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
+    assert torch.equal(bits(a), bits(b)), name
+
+
+def mixed_bucket(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    special = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-45, 3.0])
+    nan_payload = torch.tensor([0x7FC00001, 0x7F800001], dtype=torch.int32).view(torch.float32)  # non-default NaNs
+    base = torch.randn(8, 6, generator=g)
+    return [
+        ("model.embed_tokens.weight", torch.randn(5, 4, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.self_attn.q_proj.weight", base.t()),  # transposed: not contiguous
+        ("model.layers.0.mlp.up_proj.weight", base[::2, 1::2]),  # strided slice
+        ("model.layers.0.input_layernorm.weight", torch.cat([special, nan_payload])),
+        ("model.layers.0.mlp.gate.e_score_correction_bias", torch.randn(3, generator=g).to(torch.float16)),
+        ("model.layers.0.self_attn.k_norm.weight", torch.randn(4, generator=g).to(torch.bfloat16).expand(2, 4)),
+        ("model.norm.weight", torch.tensor(1.5, dtype=torch.bfloat16)),  # 0-dim
+        ("empty", torch.empty(0, 3)),
+        ("step", torch.tensor([7, -(2**40)], dtype=torch.int64)),
+        ("mask", torch.tensor([1, 0, 2], dtype=torch.uint8)),
+    ]
+
+
+# ---- flattening --------------------------------------------------------------------------------------------------
+
+
+def test_flatten_groups_by_dtype_with_element_offsets():
+    bucket = mixed_bucket()
+    parts = flatten_by_dtype(bucket)
+    assert [p.dtype for p in parts] == [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.uint8]
+    bf16 = parts[0]
+    assert [(e.name, e.shape, e.start, e.end) for e in bf16.entries] == [
+        ("model.embed_tokens.weight", (5, 4), 0, 20),
+        ("model.layers.0.self_attn.k_norm.weight", (2, 4), 20, 28),
+        ("model.norm.weight", (), 28, 29),
+    ]
+    assert bf16.flat.shape == (29,) and bf16.flat.is_contiguous() and bf16.nbytes == 58
+    assert sum(len(p.entries) for p in parts) == len(bucket)
+    for part in parts:
+        assert part.entries[-1].end == part.flat.numel()
+        assert all(a.end == b.start for a, b in zip(part.entries, part.entries[1:]))
+
+
+def test_flatten_round_trip_is_bit_exact():
+    bucket = mixed_bucket()
+    rebuilt = {name: t for part in flatten_by_dtype(bucket) for name, t in unflatten(part)}
+    assert set(rebuilt) == {n for n, _ in bucket}
+    for name, tensor in bucket:
+        assert_same(rebuilt[name], tensor, name)
+
+
+def sglang_reconstruct(flat: torch.Tensor, metadata) -> dict[str, torch.Tensor]:
+    """SGLang 0.5.23's receiver: flat[start:end].view(dtype).reshape(shape)."""
+    return {m.name: flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape) for m in metadata}
+
+
+def sglang_reconstruct_older(flat: torch.Tensor, metadata) -> dict[str, torch.Tensor]:
+    """Older SGLang receivers: flat[start:end].reshape(shape), cast if the dtype differs."""
+    out = {}
+    for m in metadata:
+        t = flat[m.start_idx : m.end_idx].reshape(m.shape)
+        out[m.name] = t if t.dtype == m.dtype else t.to(m.dtype)
+    return out
+
+
+@pytest.mark.parametrize("reconstruct", [sglang_reconstruct, sglang_reconstruct_older])
+def test_payload_decodes_in_both_sglang_receivers(reconstruct):
+    bucket = mixed_bucket(1)
+    received = {}
+    for part in flatten_by_dtype(bucket):
+        data = pickle.loads(base64.b64decode(pickle_serializer(part)))
+        assert set(data) == {"flattened_tensor", "metadata"}
+        for m in data["metadata"]:
+            assert m.numel == m.end_idx - m.start_idx and isinstance(m.shape, torch.Size)
+        received |= reconstruct(data["flattened_tensor"], data["metadata"])
+    for name, tensor in bucket:
+        assert_same(received[name], tensor, name)
+
+
+def test_sglang_serializer_needs_gpu_tensors():
+    (part,) = flatten_by_dtype([("w", torch.ones(2))])
+    with pytest.raises(SGLangError, match="must be on a GPU; got cpu"):
+        sglang_serializer(part)
+
+
+def test_flatten_to_device_and_empty_bucket():
+    assert flatten_by_dtype([]) == []
+    (part,) = flatten_by_dtype([("w", torch.arange(4.0))], device="cpu")
+    assert isinstance(part, FlatBucket) and part.flat.device.type == "cpu"
+
+
+# ---- the split transport -----------------------------------------------------------------------------------------
+
+GROUP = "megarl_test_weights"
+
+
+def refused_bucket():
+    return [("refuse.this", torch.ones(3))]
+
+
+def receiver_main(port_queue, result_queue) -> None:
+    """A stand-in SGLang server with one GPU (rank 1 of the group): joins and receives like SGLang's worker."""
+    from torch.distributed import distributed_c10d as c10d
+
+    groups: dict[str, object] = {}
+    expected_buckets = [dict(mixed_bucket(2)), dict(mixed_bucket(3))]  # what the sender sends, in order
+
+    def init_group(body):
+        timeout = datetime.timedelta(seconds=30)
+        rank = body["rank_offset"] + 0  # this server's tp rank 0
+        url = f"tcp://{body['master_address']}:{body['master_port']}"
+        store, rank, world = next(c10d.rendezvous(url, rank, body["world_size"], timeout=timeout))
+        store.set_timeout(timeout)
+        store = c10d.PrefixStore(body["group_name"], store)
+        pg, _ = c10d._new_process_group_helper(
+            world, rank, [], c10d.Backend(body["backend"]), store, group_name=body["group_name"], timeout=timeout
+        )
+        c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
+        groups[body["group_name"]] = pg
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def update(body):
+        if any(name.startswith("refuse.") for name in body["names"]):
+            return {"success": False, "message": "update_weights_from_distributed must run between "
+                    "begin_weight_update() and end_weight_update()"}  # fmt: skip
+        pg = groups[body["group_name"]]
+        received, works = [], []
+        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            works.append(torch.distributed.broadcast(tensor, src=0, group=pg, async_op=True))
+            received.append((name, tensor))
+        for work in works:
+            work.wait()
+        expected = expected_buckets.pop(0)
+        ok = [n for n, _ in received] == list(expected) and all(
+            t.dtype == expected[n].dtype and t.shape == expected[n].shape and torch.equal(bits(t), bits(expected[n]))
+            for n, t in received
+        )
+        result_queue.put(("bucket", ok, [(n, t.clone()) for n, t in received]))
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def destroy(body):
+        torch.distributed.destroy_process_group(groups.pop(body["group_name"]))
+        result_queue.put(("destroyed", body["group_name"]))
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    routes = {
+        "/init_weights_update_group": init_group,
+        "/update_weights_from_distributed": update,
+        "/destroy_weights_update_group": destroy,
+    }
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            answer = routes[self.path](body)
+            data = json.dumps(answer).encode()
+            self.send_response(200 if answer["success"] else 400)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port_queue.put(httpd.server_address[1])
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    time.sleep(120)  # the test ends this process
+
+
+def sender_main(url: str, result_queue) -> None:
+    """The trainer's sending rank: connect, send two buckets, have one refused, close."""
+    import os
+
+    try:
+        sender = SGLangWeightSender(
+            [SGLangEndpoint(url, num_ranks=1)], master_address="127.0.0.1", backend="gloo", group_name=GROUP,
+            timeout_s=30, device="cpu",
+        )  # fmt: skip
+        sender.connect()
+        result_queue.put(("sent", sender.send([mixed_bucket(2), mixed_bucket(3)])))
+        sender.close()
+        sender = SGLangWeightSender(
+            [SGLangEndpoint(url, num_ranks=1)], master_address="127.0.0.1", backend="gloo", group_name=GROUP,
+            timeout_s=30, device="cpu",
+        )  # fmt: skip
+        sender.connect()  # the same group name again after close()
+        start = time.monotonic()
+        try:
+            sender.send_bucket(refused_bucket())
+            result_queue.put(("refused", None, 0.0))
+        except SGLangError as e:
+            result_queue.put(("refused", str(e), time.monotonic() - start))
+    except Exception as e:  # reported to the test, which fails with it
+        result_queue.put(("error", repr(e)))
+    finally:
+        result_queue.put(("sender done",))
+        result_queue.close()
+        result_queue.join_thread()  # flushed before the hard exit below
+        os._exit(0)  # a refused bucket leaves its broadcast pending: do not wait for it at exit
+
+
+def _get(q, timeout=60.0):
+    try:
+        return q.get(timeout=timeout)
+    except queue.Empty:
+        pytest.fail(f"no message from the weight-sync processes within {timeout:g} s")
+
+
+def test_sender_rank_offsets():
+    endpoints = [SGLangEndpoint("http://a:1", 2), SGLangEndpoint("http://b:1", 4), SGLangEndpoint("http://c:1", 1)]
+    sender = SGLangWeightSender(endpoints, master_address="127.0.0.1", backend="gloo")
+    assert sender.rank_offsets() == [1, 3, 7] and sender.world_size == 8
+    with pytest.raises(RuntimeError, match="before connect"):
+        sender.send_bucket([("w", torch.ones(1))])
+    sender.close()
+    with pytest.raises(ValueError, match="at least one engine"):
+        SGLangWeightSender([], master_address="127.0.0.1")
+
+
+def test_split_transport_over_gloo():
+    ctx = mp.get_context("spawn")
+    port_queue, results = ctx.Queue(), ctx.Queue()
+    receiver = ctx.Process(target=receiver_main, args=(port_queue, results), daemon=True)
+    receiver.start()
+    sender = None
+    try:
+        url = f"http://127.0.0.1:{_get(port_queue)}"
+        sender = ctx.Process(target=sender_main, args=(url, results), daemon=True)
+        sender.start()
+        messages = []
+        while not messages or messages[-1] != ("sender done",):
+            messages.append(_get(results))
+        errors = [m for m in messages if m[0] == "error"]
+        assert not errors, errors
+        buckets = [m for m in messages if m[0] == "bucket"]
+        assert [ok for _, ok, _ in buckets] == [True, True]  # the receiver checked names, dtypes, shapes, values
+        for (_, _, received), expected in zip(buckets, [mixed_bucket(2), mixed_bucket(3)]):
+            assert [n for n, _ in received] == [n for n, _ in expected]
+            for (name, got), (_, want) in zip(received, expected):
+                assert_same(got, want, name)
+        (sent,) = [m for m in messages if m[0] == "sent"]
+        assert sent[1] == (20, sum(t.nbytes for _, t in mixed_bucket(2) + mixed_bucket(3)))
+        assert ("destroyed", GROUP) in messages
+        (refused,) = [m for m in messages if m[0] == "refused"]
+        assert refused[1] is not None and "must run between begin_weight_update()" in refused[1]
+        assert "is now unusable" in refused[1] and url in refused[1]
+        assert refused[2] < 10  # failed at once, not after the group's 30 s timeout
+    finally:
+        for process in (sender, receiver):
+            if process is not None:
+                process.terminate()
+                process.join(10)
