@@ -23,6 +23,7 @@ def compat_facts() -> dict:
 
     from megarl.runtime import cpu_compat
 
+    cpu_compat.activate()  # init_model_parallel does this for Megatron processes
     facts = {"active": cpu_compat.is_active(), "current_device": torch.cuda.current_device()}
     t = torch.ones(2)
     facts["factory"] = str(torch.zeros(2, device="cuda").device)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from megarl.bridge.model_bridge import ModelBridge
@@ -9,9 +11,18 @@ from megarl.bridge.safetensors_io import HFCheckpoint
 
 
 @torch.no_grad()
-def load_hf_weights(bridge: ModelBridge, checkpoint: HFCheckpoint) -> None:
+def load_hf_weights(bridge: ModelBridge, checkpoint: HFCheckpoint, missing_ok: Collection[str] = ()) -> list[str]:
     """Copy every parameter of the bridged chunks from the checkpoint. Each rank reads only the HF tensors its own
-    parameters need, one mapping at a time."""
+    parameters need, one mapping at a time.
+
+    missing_ok: HF names the checkpoint may lack (e.g. a value head initialized fresh when a critic starts from a
+    language model); such parameters keep their initialization. Returns the HF names that were missing."""
+    missing = []
     for binding in bridge.bindings:
+        absent = [name for name in binding.hf_names if name not in checkpoint]
+        if absent and set(absent) <= set(missing_ok):
+            missing += absent
+            continue
         full = bridge.to_mcore(binding, checkpoint.get)
         binding.param.copy_(bridge.local_shard(binding, full))
+    return missing

@@ -118,6 +118,9 @@ class HFCheckpoint:
     def spec(self, name: str) -> TensorSpec:
         return self._specs[name]
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._specs
+
     def specs(self) -> list[TensorSpec]:
         return [self._specs[name] for name in self.names]
 

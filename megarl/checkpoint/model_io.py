@@ -8,6 +8,7 @@ through Megatron's distributed checkpointing, at any layout.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,9 +34,11 @@ from megarl.checkpoint.model_dir import (
 from megarl.checkpoint.staging import check_destination
 from megarl.models.architecture import Architecture
 from megarl.models.builder import build_bridge, build_model
+from megarl.models.heads import VALUE_HEAD_HF_NAME, Head
 from megarl.models.hf_config import config_dtype, dtype_name, load_hf_config, read_config_json
 from megarl.models.layout import check_parallel_layout
 from megarl.models.registry import get_architecture
+from megarl.models.specs import SpecBackend
 from megarl.runtime.parallel import ParallelConfig
 
 
@@ -54,6 +57,8 @@ class LoadedModel:
     """What the model was loaded from: a HF folder or a megarl checkpoint folder."""
     hf_specs: list[TensorSpec] = field(default_factory=list)
     """The source HF checkpoint's tensors (name, dtype, shape): what an export must reproduce."""
+    head: Head = "lm"
+    """The output head: language model logits, or a scalar value head (critics, reward models)."""
 
     @property
     def hf_dtypes(self) -> dict[str, torch.dtype]:
@@ -67,18 +72,31 @@ def is_megarl_checkpoint(path: str | Path) -> bool:
     return (Path(path) / INFO_FILE).is_file()
 
 
+def hf_config_dir(path: str | Path) -> Path:
+    """The folder holding config.json: the HF folder itself, or a megarl checkpoint's hf/."""
+    return Path(path) / HF_DIR if is_megarl_checkpoint(path) else Path(path)
+
+
 def load_model(
     path: str | Path,
     parallel: ParallelConfig,
     dtype: torch.dtype = torch.float32,
     vocab_multiple: int = 128,
+    head: Head = "lm",
+    config_overrides: dict | None = None,
+    spec_backend: SpecBackend = "auto",
 ) -> LoadedModel:
-    """Build this rank's chunks and fill them from `path` (a HF folder or a megarl checkpoint folder)."""
+    """Build this rank's chunks and fill them from `path` (a HF folder or a megarl checkpoint folder).
+
+    head: "value" builds a critic / reward model; from a HF language model (no `score.weight`) its value head
+    starts fresh, and a megarl checkpoint must hold a value head already.
+    """
     path = Path(path)
+    build = dict(head=head, config_overrides=config_overrides, spec_backend=spec_backend)
     if is_megarl_checkpoint(path):
         info = ModelCheckpointInfo.load(path)
         check_loadable(info, parallel)
-        model = _build(path, path / HF_DIR, parallel, dtype, lambda hf_config: info.vocab)
+        model = _build(path, path / HF_DIR, parallel, dtype, lambda hf_config: info.vocab, **build)
         load_model_weights(model.chunks, path / MODEL_DIR)
         model.hf_specs = load_manifest(path) or []
         return model
@@ -87,9 +105,9 @@ def load_model(
     def vocab_of(hf_config) -> VocabInfo:
         return VocabInfo(hf_config.vocab_size, pad_vocab_size(hf_config.vocab_size, vocab_multiple, parallel.tp))
 
-    model = _build(path, path, parallel, dtype, vocab_of)
+    model = _build(path, path, parallel, dtype, vocab_of, **build)
     checkpoint = HFCheckpoint(path)
-    load_hf_weights(model.bridge, checkpoint)
+    load_hf_weights(model.bridge, checkpoint, missing_ok=(VALUE_HEAD_HF_NAME,) if head == "value" else ())
     arch, hf_config = model.arch, model.hf_config
     model.hf_specs = [
         spec for spec in checkpoint.specs() if not arch.is_mtp(spec.name, hf_config) and not arch.is_derived(spec.name)
@@ -97,18 +115,37 @@ def load_model(
     return model
 
 
-def _build(source: Path, hf_dir: Path, parallel: ParallelConfig, dtype: torch.dtype, vocab_of) -> LoadedModel:
+def _build(
+    source: Path,
+    hf_dir: Path,
+    parallel: ParallelConfig,
+    dtype: torch.dtype,
+    vocab_of,
+    head: Head,
+    config_overrides: dict | None,
+    spec_backend: SpecBackend,
+) -> LoadedModel:
     hf_config = load_hf_config(hf_dir)
     arch = get_architecture(hf_config.model_type)
     check_parallel_layout(arch, hf_config, parallel)
     vocab = vocab_of(hf_config)
-    chunks = build_model(arch, hf_config, parallel, vocab, dtype)
-    bridge = build_bridge(arch, hf_config, chunks, vocab)
-    return LoadedModel(chunks, bridge, arch, hf_config, vocab, hf_dir, source)
+    chunks = build_model(
+        arch, hf_config, parallel, vocab, dtype, spec_backend=spec_backend, head=head, config_overrides=config_overrides
+    )
+    bridge = build_bridge(arch, hf_config, chunks, vocab, head)
+    return LoadedModel(chunks, bridge, arch, hf_config, vocab, hf_dir, source, head=head)
 
 
-def save_model(model: LoadedModel, folder: str | Path, overwrite: bool = False) -> Path:
-    """Collective: write `model` as a megarl checkpoint folder, visible at `folder` only once complete."""
+def save_model(
+    model: LoadedModel,
+    folder: str | Path,
+    overwrite: bool = False,
+    extra_writer: Callable[[Path], None] | None = None,
+) -> Path:
+    """Collective: write `model` as a megarl checkpoint folder, visible at `folder` only once complete.
+
+    extra_writer(tmp): a collective that writes more state into the staging folder before it is renamed into
+    place (a trained role's optimizer and RNG state: workers/role_checkpoint.py)."""
     rank = dist.get_rank()
     folder = Path(folder).resolve()
     tmp = folder.parent / f".{folder.name}.partial"
@@ -124,11 +161,13 @@ def save_model(model: LoadedModel, folder: str | Path, overwrite: bool = False) 
             vocab_size=model.vocab.size,
             padded_vocab_size=model.vocab.padded_size,
             params_dtype=dtype_name(model.chunks[0].config.params_dtype),
-            layout=_current_layout(),
+            layout=current_layout(),
             source=str(model.hf_dir),
         ).save(tmp)
     dist.barrier()
     save_model_weights(model.chunks, tmp / MODEL_DIR)
+    if extra_writer is not None:
+        extra_writer(tmp)
     dist.barrier()
     if rank == 0:
         if folder.exists():
@@ -150,7 +189,8 @@ def _carry_extra_tensors(model: LoadedModel, folder: Path) -> None:
         write_hf_tensors(folder, checkpoint, carried)
 
 
-def _current_layout() -> dict[str, int]:
+def current_layout() -> dict[str, int]:
+    """The layout of Megatron's parallel state now, as checkpoints record it."""
     from megatron.core import parallel_state as ps
 
     return ParallelConfig(

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megarl.bridge.mappings import Direct, Mapping, VocabRows
 from megarl.errors import UserError
 from megarl.models.attention import check_mla_supported, gqa_config, gqa_mappings, mla_config, mla_mappings
+from megarl.models.heads import Head, head_mappings
 from megarl.models.hf_config import head_dim, rope_parameters
 from megarl.models.moe import MoE
 from megarl.models.rope import rope_inv_freq
@@ -154,9 +155,10 @@ class Architecture:
         inv_freq = None if self.mla else rope_inv_freq(int(head_dim(hf_config) * rotary_percent), rope)
         return McoreModelSpec(config_kwargs, gpt_kwargs, inv_freq)
 
-    def mappings(self, hf_config) -> list[Mapping]:
-        """The weight table: embedding, each layer's tensors, final norm, output layer. Binding is driven by the
-        model's parameters, so the dense-MLP rows bind only in dense layers and the expert rows in MoE layers."""
+    def mappings(self, hf_config, head: Head = "lm") -> list[Mapping]:
+        """The weight table: embedding, each layer's tensors, final norm, output layer (or value head). Binding is
+        driven by the model's parameters, so the dense-MLP rows bind only in dense layers and the expert rows in MoE
+        layers."""
         feats = self.features(hf_config)
         if self.mla:
             attention = mla_mappings(hf_config)
@@ -171,7 +173,10 @@ class Architecture:
             Direct("decoder.final_layernorm.weight", ("model.norm.weight",)),
             # A tied output layer exists as a parameter only on a last pipeline stage that lacks the embedding;
             # it reads the embedding and is never exported (the first stage exports the embedding).
-            VocabRows("output_layer.weight", ("model.embed_tokens.weight",), export=False)
-            if feats.tied_embeddings
-            else VocabRows("output_layer.weight", ("lm_head.weight",)),
+            *head_mappings(
+                VocabRows("output_layer.weight", ("model.embed_tokens.weight",), export=False)
+                if feats.tied_embeddings
+                else VocabRows("output_layer.weight", ("lm_head.weight",)),
+                head,
+            ),
         ]

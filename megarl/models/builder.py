@@ -12,13 +12,19 @@ import torch
 
 from megarl.bridge.mappings import VocabInfo
 from megarl.models.architecture import Architecture, McoreModelSpec
+from megarl.models.heads import Head, attach_value_head
 from megarl.models.specs import TE_TO_LOCAL, SpecBackend, decoder_block_spec, uses_transformer_engine
 from megarl.runtime.parallel import ParallelConfig
 
 
 def _runtime_kwargs(spec: McoreModelSpec, backend: SpecBackend) -> dict:
     """Settings that depend on the machine rather than the model."""
-    kwargs: dict = {"use_cpu_initialization": not torch.cuda.is_available()}
+    kwargs: dict = {
+        "use_cpu_initialization": not torch.cuda.is_available(),
+        # Batched isend/irecv over gloo corrupts activations in the interleaved schedule's training passes (the
+        # third micro-batch on saw its inputs change; mcore 0.16.1): plain point-to-point ops there.
+        "batch_p2p_comm": torch.cuda.is_available(),
+    }
     if spec.moe:
         # all-to-all dispatch needs CUDA streams; grouped GEMMs need Transformer Engine.
         kwargs["moe_token_dispatcher_type"] = "alltoall" if torch.cuda.is_available() else "allgather"
@@ -54,11 +60,15 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     meta: bool = False,
     spec_backend: SpecBackend = "auto",
+    head: Head = "lm",
+    config_overrides: dict | None = None,
 ) -> list:
     """This rank's model chunks (one per virtual pipeline stage), as `megatron.core.models.gpt.GPTModel`s.
 
     meta: build on the meta device (shapes and names only, no memory, no initialization), e.g. to plan a
         checkpoint at TP=1.
+    head: "lm" (vocab-parallel logits) or "value" (one number per position: critics and reward models).
+    config_overrides: TransformerConfig fields set by the role (e.g. recomputation, per-token loss scaling).
 
     Real weights are always initialized, even when a checkpoint is loaded next: Megatron sets the tensor-parallel
     attributes of a parameter (`tensor_model_parallel`, `partition_dim`) only in its initialization path, and
@@ -69,8 +79,13 @@ def build_model(
 
     spec = arch.to_mcore(hf_config)
     backend = "local" if meta else spec_backend
-    overrides = {"use_cpu_initialization": True, "perform_initialization": False} if meta else {}
+    overrides = dict(config_overrides or {})
+    if meta:
+        overrides.update(use_cpu_initialization=True, perform_initialization=False)
     config = build_transformer_config(spec, parallel, dtype, backend, **overrides)
+    gpt_kwargs = dict(spec.gpt_kwargs)
+    if head == "value":
+        gpt_kwargs["share_embeddings_and_output_weights"] = False  # the value head replaces the output layer
     chunks = []
     for vp_stage in range(parallel.vpp):
         stage = vp_stage if parallel.vpp > 1 else None
@@ -82,8 +97,10 @@ def build_model(
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
                 vp_stage=stage,
-                **spec.gpt_kwargs,
+                **gpt_kwargs,
             )
+            if head == "value":
+                attach_value_head(model)
         if spec.rope_inv_freq is not None:
             # Megatron's rotary embedding knows fewer scaling schemes than HF: use the checkpoint's own frequencies.
             model.rotary_pos_emb.inv_freq = spec.rope_inv_freq.to(model.rotary_pos_emb.inv_freq.device)
@@ -91,8 +108,8 @@ def build_model(
     return chunks
 
 
-def build_bridge(arch: Architecture, hf_config, chunks: list, vocab: VocabInfo):
+def build_bridge(arch: Architecture, hf_config, chunks: list, vocab: VocabInfo, head: Head = "lm"):
     """The architecture's weight table bound to `chunks` (whichever layer spec built them)."""
     from megarl.bridge.model_bridge import ModelBridge
 
-    return ModelBridge(arch.mappings(hf_config), chunks, vocab, param_aliases=TE_TO_LOCAL)
+    return ModelBridge(arch.mappings(hf_config, head), chunks, vocab, param_aliases=TE_TO_LOCAL)

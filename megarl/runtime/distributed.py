@@ -48,8 +48,9 @@ def init_distributed(
     """Join the default process group.
 
     Arguments left as None come from the torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-    MASTER_PORT); a single process with none of them set forms a world of one. Without CUDA the CPU
-    compatibility layer for Megatron-Core is switched on here, before any model is built.
+    MASTER_PORT); a single process with none of them set forms a world of one. The CPU compatibility layer for
+    Megatron-Core is switched on by `init_model_parallel` (processes without Megatron, e.g. rollout engines, skip
+    the Megatron import it costs).
     """
     silence_expected_warnings()
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
@@ -58,8 +59,6 @@ def init_distributed(
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    else:
-        cpu_compat.activate()
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         if world_size == 1 and master_port is None:
@@ -76,7 +75,9 @@ def init_distributed(
 
 
 def init_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
-    """Create Megatron-Core's TP/PP/EP/CP/DP groups over the default group, and seed its RNG tracker."""
+    """Create Megatron-Core's TP/PP/EP/CP/DP groups over the default group, and seed its RNG tracker. Without CUDA
+    the CPU compatibility layer is switched on first (from the calling thread: the one that will run the model)."""
+    cpu_compat.activate()
     from megatron.core import parallel_state
 
     world = dist.get_world_size()

@@ -1,0 +1,120 @@
+"""Settings of the Megatron role workers (actor, critic, ref, reward model). Imports nothing heavy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megarl.errors import UserError
+
+
+@dataclass
+class ParallelSettings:
+    """How one role's model is split across its workers; data parallelism takes the ranks left over."""
+
+    tp: int = 1
+    """Tensor-parallel size: each weight matrix is split across this many ranks."""
+    pp: int = 1
+    """Pipeline-parallel size: the layers are split into this many stages."""
+    vpp: int = 1
+    """Virtual pipeline chunks per stage (interleaved schedule); 1 = no interleaving."""
+    ep: int = 1
+    """Expert-parallel size (MoE): the experts are split across this many ranks."""
+    etp: int | None = None
+    """Expert tensor-parallel size; null = the same as tp."""
+    cp: int = 1
+    """Context-parallel size (GPU only): each sequence is split across this many ranks."""
+    sequence_parallel: bool = False
+    """Split activations along the sequence inside TP regions (needs tp > 1; Transformer Engine layers)."""
+
+    def check(self, key: str) -> None:
+        for axis in ("tp", "pp", "vpp", "ep", "cp"):
+            if getattr(self, axis) < 1:
+                raise UserError(f"{key}.{axis}={getattr(self, axis)} must be >= 1")
+        if self.vpp > 1 and self.pp == 1:
+            raise UserError(f"{key}.vpp={self.vpp} needs pipeline parallelism ({key}.pp > 1)")
+        if self.sequence_parallel and self.tp == 1:
+            raise UserError(f"{key}.sequence_parallel=true needs {key}.tp > 1")
+
+    def to_runtime(self):
+        from megarl.runtime.parallel import ParallelConfig
+
+        return ParallelConfig(self.tp, self.pp, self.vpp, self.ep, self.etp, self.cp, self.sequence_parallel)
+
+
+@dataclass
+class OptimizerSettings:
+    """AdamW with warm-up and decay. On GPU: Megatron's optimizer (distributed optimizer optional); on CPU a torch
+    AdamW behind the same interface."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to lr."""
+    decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up, down to min_lr at decay_steps."""
+    decay_steps: int = 0
+    """Optimizer steps over which the LR decays; 0 = the trainer's total number of optimizer steps."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW); not applied to biases and norms."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the global gradient norm (over all model-parallel ranks) to this; 0 = no clipping."""
+    use_distributed_optimizer: bool = True
+    """GPU: shard optimizer states over data-parallel ranks (Megatron's distributed optimizer)."""
+    offload_optimizer: bool = False
+    """GPU: keep optimizer states on the CPU (Megatron's optimizer CPU offload)."""
+
+    def check(self, key: str) -> None:
+        if self.lr < 0 or self.min_lr < 0:
+            raise UserError(f"{key}.lr and {key}.min_lr must be >= 0 (got {self.lr}, {self.min_lr})")
+        if self.min_lr > self.lr:
+            raise UserError(f"{key}.min_lr={self.min_lr} is above {key}.lr={self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise UserError(f"{key}.{name}={getattr(self, name)} must be in [0, 1)")
+        if self.clip_grad < 0:
+            raise UserError(f"{key}.clip_grad={self.clip_grad} must be >= 0 (0 = no clipping)")
+
+
+@dataclass
+class ModelSettings:
+    """Where a role's weights come from and how its Megatron model is built."""
+
+    path: str = ""
+    """A Hugging Face model folder or a megarl checkpoint folder (written by `megarl convert` or training)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Parameter dtype of the Megatron model (float32 on CPU)."""
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    recompute: bool = False
+    """Recompute activations in the backward pass (full layers): less memory, ~30% more compute."""
+    vocab_multiple: int = 128
+    """Pad the vocabulary to a multiple of this x tp (Megatron's rule) when loading from HF."""
+    spec_backend: Literal["auto", "local", "te"] = "auto"
+    """Layer spec: Transformer Engine where present (auto), or Megatron's local modules."""
+
+    def check(self, key: str) -> None:
+        if self.vocab_multiple < 1:
+            raise UserError(f"{key}.vocab_multiple={self.vocab_multiple} must be >= 1")
+
+
+@dataclass
+class MicroBatchSettings:
+    """How a role's share of a batch is cut into micro-batches."""
+
+    max_tokens: int = 8192
+    """Token budget of one micro-batch (rows x longest row); a longer sample gets a micro-batch of its own."""
+    forward_max_tokens: int = 0
+    """Budget for forward-only passes (log-probs, values); 0 = 2 x max_tokens."""
+
+    def check(self, key: str) -> None:
+        if self.max_tokens < 1:
+            raise UserError(f"{key}.max_tokens={self.max_tokens} must be >= 1")
+
+    @property
+    def forward_budget(self) -> int:
+        return self.forward_max_tokens or 2 * self.max_tokens

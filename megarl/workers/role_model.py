@@ -1,0 +1,137 @@
+"""One rank's share of a role's Megatron model: built from a HF folder or a megarl checkpoint, wrapped in Megatron
+DDP and given an optimizer when the role trains.
+
+Parallel state must already be initialized at the role's layout. Trained roles are built with
+`calculate_per_token_loss` (the schedule neither averages over micro-batches nor DDP over data-parallel ranks: the
+loss functions weight every token by its share of the global mini-batch; see workers/schedule.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megarl.checkpoint.model_io import LoadedModel, load_model
+from megarl.models.heads import Head
+from megarl.models.hf_config import parse_dtype
+from megarl.workers.config import ModelSettings, OptimizerSettings
+from megarl.workers.optimizer import RoleOptimizer, build_optimizer
+
+
+@dataclass
+class RoleModel:
+    loaded: LoadedModel
+    """The bare model chunks, their weight table (bridge) and the HF config / vocabulary."""
+    chunks: list[torch.nn.Module]
+    """What runs forward: the DDP-wrapped chunks when trained, the bare ones otherwise."""
+    optimizer: RoleOptimizer | None
+    settings: ModelSettings
+
+    @property
+    def trainable(self) -> bool:
+        return self.optimizer is not None
+
+    @property
+    def vocab(self):
+        return self.loaded.vocab
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+
+    def offload(self) -> None:
+        """Hand accelerator memory to a colocated role: gradient buffers freed, parameters and optimizer state
+        moved to host memory. On a CPU-only machine parameters already live in host memory and stay put."""
+        if not self.trainable:
+            return
+        for chunk in self.chunks:
+            chunk.offload_grad_buffers(synchronize=torch.cuda.is_available(), empty_cache=torch.cuda.is_available())
+            if torch.cuda.is_available():
+                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                    buffer.offload_to_cpu(move_params=True, move_grads=False)
+        self.optimizer.offload()
+
+    def onload(self) -> None:
+        if not self.trainable:
+            return
+        for chunk in self.chunks:
+            if torch.cuda.is_available():
+                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                    buffer.reload_from_cpu(move_params=True, move_grads=False)
+            chunk.restore_grad_buffers(synchronize=torch.cuda.is_available())
+        self.optimizer.onload()
+
+
+def role_config_overrides(settings: ModelSettings, trainable: bool, moe: bool) -> dict:
+    """TransformerConfig fields a role sets on top of the architecture's."""
+    overrides: dict = {"calculate_per_token_loss": trainable}
+    # Pipeline stages exchange micro-batches trimmed to their own longest row, except where Megatron cannot:
+    # its allgather token dispatcher (MoE without CUDA) refuses, and its interleaved schedule hangs in training
+    # (shape messages mismatched, mcore 0.16.1). There micro-batches keep one shape (workers/schedule.py).
+    parallel = settings.parallel
+    if parallel.pp > 1 and parallel.vpp == 1 and not (moe and not torch.cuda.is_available()):
+        overrides["variable_seq_lengths"] = True
+        if not moe:
+            overrides["moe_token_dispatcher_type"] = "alltoall"  # unused by dense models; Megatron checks it
+    if settings.recompute and trainable:
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return overrides
+
+
+def build_role_model(
+    settings: ModelSettings,
+    head: Head = "lm",
+    optimizer: OptimizerSettings | None = None,
+    total_steps: int = 1,
+    path: str | None = None,
+) -> RoleModel:
+    """Load the role's model at the current parallel layout; with `optimizer` settings it is trainable (DDP +
+    optimizer). `path` overrides settings.path (e.g. resuming from a run checkpoint)."""
+    parallel = settings.parallel.to_runtime()
+    trainable = optimizer is not None
+    loaded = load_model(
+        path or settings.path,
+        parallel,
+        parse_dtype(settings.dtype, key="model.dtype"),
+        vocab_multiple=settings.vocab_multiple,
+        head=head,
+        config_overrides=role_config_overrides(settings, trainable, is_moe(settings.path if path is None else path)),
+        spec_backend=settings.spec_backend,
+    )
+    if not trainable:
+        for chunk in loaded.chunks:
+            chunk.requires_grad_(False)
+            chunk.eval()
+        return RoleModel(loaded, loaded.chunks, None, settings)
+    chunks = wrap_ddp(loaded.chunks, use_distributed_optimizer=optimizer.use_distributed_optimizer)
+    return RoleModel(loaded, chunks, build_optimizer(optimizer, chunks, total_steps), settings)
+
+
+def is_moe(path: str) -> bool:
+    from megarl.checkpoint.model_io import hf_config_dir
+    from megarl.models.hf_config import load_hf_config
+    from megarl.models.registry import get_architecture
+
+    return get_architecture(load_hf_config(hf_config_dir(path)).model_type).moe is not None
+
+
+def wrap_ddp(chunks: list[torch.nn.Module], use_distributed_optimizer: bool) -> list[torch.nn.Module]:
+    """Megatron DDP: gradients accumulate in fp32 buffers (`param.main_grad`) and are summed over data-parallel
+    ranks by `finalize_model_grads` after the last micro-batch."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer and torch.cuda.is_available(),
+    )
+    return [
+        DistributedDataParallel(
+            config=chunk.config,
+            ddp_config=ddp_config,
+            module=chunk,
+            disable_bucketing=index > 0,  # as Megatron-LM: only the first virtual chunk overlaps communication
+        )
+        for index, chunk in enumerate(chunks)
+    ]

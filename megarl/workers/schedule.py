@@ -1,0 +1,201 @@
+"""Run a role's model over one rank's share of a batch, micro-batch by micro-batch, through Megatron's schedules.
+
+The batch is cut into micro-batches by a token budget (dynamic batch size: rows x longest row), each trimmed to its
+own longest row, so padding costs little. Pipeline stages exchange activations of varying shapes
+(`variable_seq_lengths`, set when the model is built with PP > 1). The interleaved schedule needs the number of
+micro-batches to be a multiple of the pipeline size: filler micro-batches (zero loss weights, outputs dropped) make
+it so.
+
+A step function gets a model chunk and a micro-batch and returns the chunk's output plus a loss function that
+Megatron calls on the last pipeline stage: `loss_fn(output) -> (loss, num_tokens, payload)`. Models are built with
+`calculate_per_token_loss`, so Megatron neither divides the loss by the number of micro-batches nor averages
+gradients over data-parallel ranks: a loss already weighted by its share of the global mini-batch sums to the
+global objective. Payloads (per-token results, metric sums) come back in micro-batch order on the last stage.
+
+Shapes: B rows of this rank's batch, S its width; b, s those of a micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megarl.data.batch import Batch
+from megarl.data.micro_batches import fixed_shape_groups, token_budget_groups
+
+LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]
+StepFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, LossFn]]
+
+
+@dataclass
+class MicroBatch:
+    rows: list[int]
+    """Row indices of the rank's batch, in order; empty for a filler."""
+    tensors: dict[str, torch.Tensor]
+    """Every tensor of the batch for those rows; token tensors trimmed to the longest row."""
+
+
+@dataclass(frozen=True)
+class ScheduleShape:
+    """What the pipeline schedule of a model asks of its micro-batches."""
+
+    multiple_of: int = 1
+    """The interleaved schedule runs micro-batches in groups of the pipeline size."""
+    fixed_shape: bool = False
+    """One micro-batch shape for the whole call: pipeline stages without `variable_seq_lengths`, and the allgather
+    token dispatcher (MoE without CUDA), which gathers equal-sized token blocks from the expert-parallel ranks."""
+    agree_across_ranks: bool = False
+    """Expert parallelism: every MoE layer's token exchange is a collective across ranks that hold different
+    data, so all ranks run the same number of micro-batches (and, with fixed shapes, the same shape)."""
+
+
+def schedule_shape(chunks: Sequence[torch.nn.Module]) -> ScheduleShape:
+    from megatron.core import parallel_state
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    config = _unwrap(chunks[0]).config
+    expert_parallel = parallel_state.get_expert_model_parallel_world_size() > 1
+    allgather = bool(config.num_moe_experts) and config.moe_token_dispatcher_type == "allgather"
+    fixed = (pp > 1 and not config.variable_seq_lengths) or (expert_parallel and allgather)
+    return ScheduleShape(pp if len(chunks) > 1 else 1, fixed, expert_parallel)
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    return getattr(chunk, "module", chunk)
+
+
+_ZEROED_IN_FILLERS = ("loss_weights", "response_mask", "pair_weights")
+
+
+def split_micro_batches(
+    batch: Batch, max_tokens: int, shape: ScheduleShape = ScheduleShape(), rows_per_unit: int = 1
+) -> list[MicroBatch]:
+    """Token-budget micro-batches (see megarl.data.micro_batches), padded with fillers to the schedule's needs.
+
+    rows_per_unit: consecutive rows that must stay together (2 for a reward model's chosen/rejected pairs)."""
+    lengths = batch.lengths.tolist()  # one host sync per call, before any compute
+    unit = rows_per_unit
+    unit_lengths = [max(lengths[start : start + unit]) for start in range(0, len(lengths), unit)]
+    budget = max(max_tokens // unit, 1)
+    if shape.fixed_shape:
+        width = max(unit_lengths)
+        if shape.agree_across_ranks:
+            width = _agree_max(width)
+        groups = fixed_shape_groups(len(unit_lengths), width, budget)
+        batch = _pad_columns(batch, width)
+    else:
+        groups = token_budget_groups(unit_lengths, budget)
+    micro_batches = []
+    for units in groups:
+        rows = [u * unit + k for u in units for k in range(unit) if u * unit + k < len(lengths)]
+        part = batch.select(rows) if shape.fixed_shape else batch.select(rows).trim()
+        micro_batches.append(MicroBatch(rows, dict(part.tensors)))
+    if shape.fixed_shape:  # the last group may be short: pad it with zero-weight rows to the common row count
+        rows_per_micro_batch = max(budget // width, 1) * unit
+        micro_batches = [_pad_rows(mb, rows_per_micro_batch) for mb in micro_batches]
+    count = len(micro_batches)
+    if shape.agree_across_ranks:
+        count = _agree_max(count)
+    count = -(-count // shape.multiple_of) * shape.multiple_of
+    micro_batches += [_filler(micro_batches[-1]) for _ in range(count - len(micro_batches))]
+    return micro_batches
+
+
+def _agree_max(value: int) -> int:
+    """The largest `value` over every rank of the role (a collective)."""
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def _pad_columns(batch: Batch, width: int) -> Batch:
+    """Token tensors cut or zero-padded to exactly `width` columns."""
+    batch = batch.trim()
+    full = batch["input_ids"].shape[1]
+    if full == width:
+        return batch
+    pad = torch.nn.functional.pad
+    return Batch(
+        {
+            name: pad(t, (0, 0) * (t.dim() - 2) + (0, width - full)) if t.dim() >= 2 and t.shape[1] == full else t
+            for name, t in batch.tensors.items()
+        },
+        dict(batch.meta),
+    )
+
+
+def _filler(template: MicroBatch) -> MicroBatch:
+    """A micro-batch with the shape of `template` that contributes nothing: zero weights, outputs dropped."""
+    tensors = {name: torch.zeros_like(t) if name in _ZEROED_IN_FILLERS else t for name, t in template.tensors.items()}
+    return MicroBatch([], tensors)
+
+
+def _pad_rows(micro_batch: MicroBatch, num_rows: int) -> MicroBatch:
+    missing = num_rows - len(micro_batch.rows)
+    if missing <= 0:
+        return micro_batch
+    tensors = {}
+    for name, t in micro_batch.tensors.items():
+        pad = t[:1].expand(missing, *t.shape[1:])
+        pad = torch.zeros_like(pad) if name in _ZEROED_IN_FILLERS else pad
+        tensors[name] = torch.cat([t, pad])
+    return MicroBatch(micro_batch.rows, tensors)
+
+
+def run_schedule(
+    chunks: Sequence[torch.nn.Module], micro_batches: Sequence[MicroBatch], step: StepFn, forward_only: bool
+) -> list[dict[str, Any]]:
+    """Forward (and backward unless `forward_only`) over all micro-batches; the last stage's payloads in order
+    (other stages get [])."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        return step(model, next(data_iterator).tensors)
+
+    iterators: Any = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
+    widths = [mb.tensors["input_ids"].shape for mb in micro_batches]
+    for chunk in chunks:
+        chunk.train(not forward_only)
+    payloads = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators,
+        model=list(chunks),
+        num_microbatches=len(micro_batches),
+        seq_length=max(w[1] for w in widths),
+        micro_batch_size=max(w[0] for w in widths),
+        forward_only=forward_only,
+    )
+    return list(payloads or [])
+
+
+def gpt_output(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A GPT model's forward on right-padded token ids: causal attention alone keeps padding out of every real
+    position, so no attention mask is needed. Last stage: logits [b, s, V/tp] or values [b, s, 1]."""
+    input_ids = tensors["input_ids"]
+    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return model(input_ids, position_ids, attention_mask=None)
+
+
+def scatter_rows(
+    micro_batches: Sequence[MicroBatch], payloads: Sequence[dict[str, Any]], name: str, num_rows: int, width: int
+) -> torch.Tensor:
+    """Reassemble a per-token payload [b, s] of every micro-batch into [num_rows, width] (zeros past each row)."""
+    first = payloads[0][name]
+    out = first.new_zeros((num_rows, width, *first.shape[2:]))
+    for micro_batch, payload in zip(micro_batches, payloads):
+        if micro_batch.rows:
+            values = payload[name][: len(micro_batch.rows)]  # padding rows (fixed shapes) are dropped
+            out[micro_batch.rows, : values.shape[1]] = values
+    return out
+
+
+def is_output_rank() -> bool:
+    """Ranks whose results the controller collects: TP rank 0 on the last pipeline stage (one per DP replica)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage(ignore_virtual=True)

@@ -1,0 +1,69 @@
+"""Per-token log-probs and entropy from vocab-parallel logits, without gathering the vocabulary on one rank.
+
+Shapes: logits_BSV are this TP rank's slice of the (padded) vocabulary, [batch, seq, vocab / tp]; ids_BS and the
+results are [batch, seq], aligned with the input tokens: result[:, t] is about token t given tokens < t, and
+result[:, 0] (no prediction) is 0. Vocabulary padding (Megatron pads to a multiple of 128 x TP) is masked out: the
+padded rows of the output layer give logit 0, which would otherwise take probability mass from real tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+from megarl.bridge.mappings import VocabInfo
+
+
+def _mask_padded_vocab(logits_BSV: torch.Tensor, vocab: VocabInfo) -> torch.Tensor:
+    shard = logits_BSV.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * shard
+    if start + shard <= vocab.size:
+        return logits_BSV
+    padded = torch.arange(start, start + shard, device=logits_BSV.device) >= vocab.size
+    return logits_BSV.masked_fill(padded, torch.finfo(logits_BSV.dtype).min)
+
+
+def prepare_logits(logits_BSV: torch.Tensor, vocab: VocabInfo, temperature: float = 1.0) -> torch.Tensor:
+    """fp32, divided by the sampling temperature, padding masked."""
+    logits = logits_BSV.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return _mask_padded_vocab(logits, vocab)
+
+
+def token_logprobs(logits_BSV: torch.Tensor, ids_BS: torch.Tensor) -> torch.Tensor:
+    """log p(token t | tokens < t) from prepared logits (see `prepare_logits`); differentiable."""
+    targets_SB = torch.roll(ids_BS, shifts=-1, dims=1).transpose(0, 1).contiguous()  # logits at t predict t + 1
+    # Megatron's loss wants [seq, batch, vocab] and works in place on it: always give it a copy (for one row,
+    # transpose().contiguous() would be a view, and the caller's logits would change under it).
+    logits_SBV = logits_BSV.transpose(0, 1).clone(memory_format=torch.contiguous_format)
+    logprobs = -vocab_parallel_cross_entropy(logits_SBV, targets_SB)
+    return align_to_tokens(logprobs.transpose(0, 1))
+
+
+def token_entropy(logits_BSV: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution, aligned like `token_logprobs`; differentiable.
+
+    H = log Z - sum_v p_v z_v, with the max, Z and the sum reduced across TP ranks.
+    """
+    local_max = logits_BSV.max(dim=-1, keepdim=True).values.detach()
+    global_max = local_max.clone()
+    torch.distributed.all_reduce(global_max, op=torch.distributed.ReduceOp.MAX, group=_tp_group())
+    shifted = logits_BSV - global_max
+    exp = shifted.exp()
+    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1, keepdim=True))
+    # exp * shifted is 0 where exp underflows (masked padding): no 0 * -inf
+    weighted = reduce_from_tensor_model_parallel_region((exp * shifted.clamp(min=-1e30)).sum(dim=-1, keepdim=True))
+    entropy = sum_exp.log() - weighted / sum_exp
+    return align_to_tokens(entropy.squeeze(-1))
+
+
+def align_to_tokens(per_position_BS: torch.Tensor) -> torch.Tensor:
+    """Predictions for token t + 1 made at t -> column t + 1; column 0 gets 0."""
+    return torch.nn.functional.pad(per_position_BS[:, :-1], (1, 0))
+
+
+def _tp_group():
+    return parallel_state.get_tensor_model_parallel_group()

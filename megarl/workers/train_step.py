@@ -1,0 +1,107 @@
+"""One optimizer step of a trained role over its share of a mini-batch, whatever the loss.
+
+A role supplies `objective(output, micro_batch) -> (loss, metrics)`: `loss` is the micro-batch's contribution to
+the global objective (already weighted by its share of the whole mini-batch, see algorithms/aggregation), and
+`metrics` maps names to (weighted sum, weight) pairs. Gradients sum over micro-batches and data-parallel ranks;
+metrics are summed the same way and divided once at the end (STYLE.md habit 9: reduced in one place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.data.batch import Batch
+from megarl.workers.role_model import RoleModel
+from megarl.workers.schedule import gpt_output, run_schedule, schedule_shape, split_micro_batches
+
+MetricSums = dict[str, tuple[torch.Tensor, torch.Tensor]]
+Objective = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, MetricSums]]
+
+
+def weighted(
+    per_token_loss: torch.Tensor, metrics: dict[str, torch.Tensor], loss_weights: torch.Tensor
+) -> tuple[torch.Tensor, MetricSums]:
+    """Per-token loss and metrics [b, s] -> the micro-batch's weighted loss and (weighted sum, weight) metrics."""
+    weights = loss_weights.to(per_token_loss.dtype)
+    weight_sum = weights.sum()
+    sums = {name: ((value.detach().to(weights.dtype) * weights).sum(), weight_sum) for name, value in metrics.items()}
+    return (per_token_loss * weights).sum(), sums
+
+
+def train_step(
+    model: RoleModel, batch: Batch, objective: Objective, max_tokens: int, rows_per_unit: int = 1
+) -> dict[str, float]:
+    """Zero grads, forward/backward every micro-batch, sum gradients over DP, clip and step. Returns metrics
+    (identical on every rank of the role). rows_per_unit: rows kept in one micro-batch (pairs)."""
+    assert model.optimizer is not None, "train_step needs a trainable role"
+    from megatron.core.distributed import finalize_model_grads
+
+    model.zero_grad()
+    micro_batches = split_micro_batches(batch, max_tokens, schedule_shape(model.chunks), rows_per_unit)
+
+    def step(chunk: torch.nn.Module, tensors: dict[str, torch.Tensor]):
+        output = gpt_output(chunk, tensors)
+
+        def loss_fn(output_tensor: torch.Tensor):
+            loss, sums = objective(output_tensor, tensors)
+            payload = {name: torch.stack([s.detach().double(), w.detach().double()]) for name, (s, w) in sums.items()}
+            payload["loss"] = torch.stack([loss.detach().double(), torch.ones((), dtype=torch.double)])
+            return loss, torch.ones((), dtype=torch.int), payload
+
+        return output, loss_fn
+
+    payloads = run_schedule(model.chunks, micro_batches, step, forward_only=False)
+    finalize_model_grads(model.chunks)  # DP all-reduce of the gradient buffers; tied-embedding sync across PP
+    result = model.optimizer.step()
+    metrics = _reduce_metrics(payloads)
+    metrics.update(grad_norm=result.grad_norm, lr=result.lr, skipped=float(not result.updated))
+    return metrics
+
+
+def _reduce_metrics(payloads: list[dict[str, Any]]) -> dict[str, float]:
+    """Sum (value, weight) pairs over micro-batches and DP ranks on the last stage, broadcast to every rank of the
+    role, then divide. `loss` stays a sum: the weights already make it the mini-batch's objective."""
+    from megatron.core import parallel_state as ps
+
+    names = sorted(payloads[0]) if payloads else []
+    # Every rank must agree on the names before the collectives: the last stage has them, others do not.
+    names = _broadcast_from_last_stage(names)
+    sums = torch.zeros(len(names), 2, dtype=torch.double)
+    for payload in payloads:
+        sums += torch.stack([payload[name] for name in names])
+    if payloads:
+        dist.all_reduce(sums, group=ps.get_data_parallel_group())
+    sums = _broadcast_tensor_from_last_stage(sums)
+    values = sums.tolist()  # one host sync per optimizer step, for logging
+    return {
+        name: total if name == "loss" else (total / weight if weight else 0.0)
+        for name, (total, weight) in zip(names, values)
+    }
+
+
+def _last_stage_global_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_last_rank()
+
+
+def _broadcast_from_last_stage(obj: Any) -> Any:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=_last_stage_global_rank(), group=ps.get_pipeline_model_parallel_group())
+    return box[0]
+
+
+def _broadcast_tensor_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(tensor, src=_last_stage_global_rank(), group=ps.get_pipeline_model_parallel_group())
+    return tensor
