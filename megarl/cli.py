@@ -86,11 +86,45 @@ def _run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train(commands) -> None:
+    train = commands.add_parser(
+        "train",
+        help="run a training job (sft, grpo, ppo, rm stages) from a YAML config",
+        description="Run the stages of a job config. Overrides are key=value pairs on config keys, e.g. "
+        "rl.num_steps=10 actor.model.parallel.tp=2. A run folder with checkpoints resumes from the latest one.",
+    )
+    train.add_argument("--config", required=True, help="the job's YAML file (see configs/)")
+    train.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    train.set_defaults(run=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from megarl.config import load_config
+    from megarl.config.job import JobConfig
+    from megarl.trainer.run import train
+
+    return train(load_config(JobConfig, args.config, args.overrides))
+
+
+def _add_plot(commands) -> None:
+    plot = commands.add_parser("plot", help="write PNG plots of a run's metrics (run_dir/plots/)")
+    plot.add_argument("run_dir", help="a run folder (holds metrics.jsonl)")
+    plot.set_defaults(run=lambda args: _plot_command(args.run_dir))
+
+
+def _plot_command(run_dir: str) -> int:
+    from megarl.trainer.plots import plot_command
+
+    return plot_command(run_dir)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description="RLHF / RLVR training on Megatron-Core")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train(commands)
     _add_convert(commands)
+    _add_plot(commands)
     return parser
 
 

@@ -134,3 +134,17 @@ class ValueLoss:
         loss_BS = self.config.coef * loss_BS
         metrics["vf_loss"] = loss_BS.detach()
         return loss_BS, metrics
+
+
+class NLLLoss:
+    """Supervised fine-tuning (SFT): per-token negative log-likelihood of the response tokens, -log p(token).
+    Metrics: nll (per token)."""
+
+    needs_entropy = False
+
+    def __call__(
+        self, logprobs_BS: torch.Tensor, entropy_BS: torch.Tensor | None, mb: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, Metrics]:
+        mask_BS = _get(mb, "response_mask", "the SFT loss").bool()
+        nll_BS = torch.where(mask_BS, -logprobs_BS, 0.0)
+        return nll_BS, {"nll": nll_BS.detach()}

@@ -99,12 +99,18 @@ class HFEngine(RolloutEngine):
 
         if not (self.model_path / "config.json").is_file():
             raise UserError(f"hf engine: {self.model_path} is not a HF model folder (no config.json)")
-        model = AutoModelForCausalLM.from_pretrained(
-            self.model_path,
-            dtype=getattr(torch, self.config.dtype),
-            attn_implementation=self.config.attn_implementation,
-            local_files_only=True,
-        )
+        dtype = getattr(torch, self.config.dtype)
+        if not any(self.model_path.glob("*.safetensors")):
+            # A config-only folder (a megarl checkpoint's hf/): the weights arrive with the first weight sync.
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
+            config._attn_implementation = self.config.attn_implementation
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                self.model_path, dtype=dtype, attn_implementation=self.config.attn_implementation, local_files_only=True
+            )
         return model.eval().requires_grad_(False)
 
     def _build_tokenizer(self):

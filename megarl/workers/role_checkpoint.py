@@ -45,8 +45,9 @@ def _save_state(model: RoleModel, tmp: Path, dist_checkpointing) -> None:
     dist_checkpointing.save({"rng_state": _rng_sharded_object()}, str(tmp / RNG_DIR))
 
 
-def load_role(model: RoleModel, folder: str | Path, load_optimizer: bool = True) -> None:
-    """Collective: weights (any layout), optimizer state (any layout) and RNG (same layout only)."""
+def load_role(model: RoleModel, folder: str | Path, load_optimizer: bool = True, load_weights: bool = True) -> None:
+    """Collective: weights (any layout), optimizer state (any layout) and RNG (same layout only). Skip the weights
+    when the model was just built from this folder."""
     from megatron.core import dist_checkpointing
 
     from megarl.checkpoint.dist_io import load_model_weights
@@ -54,7 +55,8 @@ def load_role(model: RoleModel, folder: str | Path, load_optimizer: bool = True)
 
     folder = Path(folder)
     info = ModelCheckpointInfo.load(folder)
-    load_model_weights(model.loaded.chunks, folder / MODEL_DIR)
+    if load_weights:
+        load_model_weights(model.loaded.chunks, folder / MODEL_DIR)
     if load_optimizer and model.optimizer is not None:
         if not (folder / OPTIMIZER_DIR / "metadata.json").is_file():
             raise FileNotFoundError(f"{folder / OPTIMIZER_DIR} holds no optimizer state to resume from")

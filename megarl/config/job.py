@@ -1,0 +1,183 @@
+"""The job config: one YAML file (configs/*.yaml) is this tree of the components' own config dataclasses.
+
+Each section belongs to the package that uses it (STYLE.md habit 2); this module only nests them and checks what
+spans sections. Checks that need the model's config.json or the cluster (parallel sizes against heads and experts,
+GPUs against the cluster) run in the trainer's pre-flight, still before Ray starts (megarl/trainer/preflight.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megarl.algorithms.config import AlgorithmConfig
+from megarl.cluster.config import ClusterConfig
+from megarl.data.config import PromptDataConfig
+from megarl.errors import UserError
+from megarl.rewards.config import RewardConfig
+from megarl.rollout.config import RolloutConfig
+from megarl.trainer.config import STAGES, CheckpointConfig, RLConfig, RMConfig, SFTConfig
+from megarl.trainer.logging_config import LoggingConfig
+from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    """Name of the run (folder name, logger run name)."""
+    dir: str = "runs/${run.name}"
+    """Run folder: resolved config, metrics.jsonl, TensorBoard, plots, checkpoints."""
+    seed: int = 1
+    """Seeds data order, sampling and initialization; a resumed run derives every random stream from it."""
+    stages: list[str] = field(default_factory=lambda: ["grpo"])
+    """What to run, in order: sft (supervised, e.g. a cold start), grpo / ppo (the RL loop; ppo trains a critic),
+    rm (reward-model training). Later stages continue from the actor of earlier ones."""
+    resume: Literal["auto", "never"] = "auto"
+    """auto: continue from run.dir/checkpoints/latest when it exists; never: refuse a run folder that has one."""
+
+    def check(self, key: str) -> None:
+        unknown = [s for s in self.stages if s not in STAGES]
+        if unknown or not self.stages:
+            raise UserError(f"{key}.stages={self.stages} must list stages from: {', '.join(STAGES)}")
+
+
+@dataclass
+class ModelInit:
+    """Build a fresh model instead of loading weights (the CPU quickstart: there is no model hub here)."""
+
+    config: str = ""
+    """A HF config.json (e.g. configs/models/quickstart.json) to build a randomly initialized model from."""
+    tokenizer: Literal["char"] = "char"
+    """The tokenizer to build: char = one token per printable ASCII character (megarl.testing.tokenizer)."""
+    seed: int = 0
+    """Initialization seed."""
+
+
+@dataclass
+class ModelSource:
+    path: str = ""
+    """The starting weights of every role: a HF model folder or a megarl checkpoint folder."""
+    init: ModelInit | None = None
+    """If set and `path` does not exist yet, build a tiny model there first (HF folder with tokenizer)."""
+
+    def check(self, key: str) -> None:
+        if not self.path:
+            raise UserError(f"{key}.path is empty: give a HF model folder or a megarl checkpoint folder")
+
+
+@dataclass
+class RoleConfig:
+    """A Megatron role (actor, critic, ref, reward model): its model, optimizer and micro-batching."""
+
+    model: ModelSettings = field(default_factory=lambda: ModelSettings(path="${model.path}"))
+    optim: OptimizerSettings = field(default_factory=OptimizerSettings)
+    micro_batch: MicroBatchSettings = field(default_factory=MicroBatchSettings)
+
+
+@dataclass
+class RewardModelConfig(RoleConfig):
+    enabled: bool = False
+    """Score samples with a reward model (added to the rule reward scaled by `coef`)."""
+    coef: float = 1.0
+    """Weight of the reward model's score in the reward."""
+
+
+@dataclass
+class PlacementConfig:
+    """Where the roles run. Each training role (actor, critic, ref, reward model) is one group of `train_gpus`
+    workers; rollout engines take `rollout.gpus_per_engine` GPUs each."""
+
+    mode: Literal["colocated", "split"] = "colocated"
+    """colocated: every role shares the training GPUs and they take turns (memory handed over by offloading);
+    split: the rollout engines have GPUs of their own (needed for asynchronous RL)."""
+    train_gpus: int = 1
+    """GPUs (workers) of each training role's group."""
+    rollout_gpus: int = 0
+    """split: GPUs of the rollout engines (a multiple of rollout.gpus_per_engine)."""
+
+    def check(self, key: str) -> None:
+        if self.train_gpus < 1:
+            raise UserError(f"{key}.train_gpus={self.train_gpus} must be >= 1")
+        if self.mode == "split" and self.rollout_gpus < 1:
+            raise UserError(f"{key}.mode=split needs {key}.rollout_gpus >= 1")
+        if self.mode == "colocated" and self.rollout_gpus:
+            raise UserError(f"{key}.rollout_gpus={self.rollout_gpus} has no effect with {key}.mode=colocated; use 0")
+
+
+@dataclass
+class PlanConfig:
+    """Hardware figures `megarl plan` and the pre-flight memory check use."""
+
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU, in GB."""
+    intra_node_gbps: float = 900.0
+    """GPU-to-GPU bandwidth inside a node, GB/s (NVLink; H100 SXM: ~900)."""
+    inter_node_gbps: float = 50.0
+    """Per-GPU bandwidth between nodes, GB/s (e.g. 400 Gb/s InfiniBand = 50 GB/s)."""
+    model_config: str | None = None
+    """A config.json to plan with when model.path is not on this machine (e.g. planning on a laptop)."""
+    check_memory: bool = True
+    """`megarl train` refuses to start when the plan says a role does not fit."""
+
+
+@dataclass
+class JobConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    model: ModelSource = field(default_factory=ModelSource)
+    actor: RoleConfig = field(default_factory=RoleConfig)
+    critic: RoleConfig = field(default_factory=RoleConfig)
+    """Used by stages whose advantage estimator needs values (ppo / gae)."""
+    ref: RoleConfig = field(default_factory=RoleConfig)
+    """Used when a KL to the reference policy is on (algorithm.kl.coef or policy_loss.kl_loss_coef)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: PromptDataConfig = field(default_factory=PromptDataConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+    @property
+    def rl_stages(self) -> list[str]:
+        return [s for s in self.run.stages if s in ("grpo", "ppo")]
+
+    @property
+    def needs_critic(self) -> bool:
+        return bool(self.rl_stages) and self.algorithm.needs_critic()
+
+    @property
+    def needs_ref(self) -> bool:
+        return bool(self.rl_stages) and self.algorithm.needs_ref()
+
+    def check(self, key: str) -> None:
+        if "ppo" in self.run.stages and not self.algorithm.needs_critic():
+            raise UserError(
+                f"run.stages has ppo but algorithm.advantage.estimator={self.algorithm.advantage.estimator!r} uses no "
+                "critic; use algorithm.advantage.estimator=gae for PPO, or the grpo stage"
+            )
+        if "grpo" in self.run.stages and self.algorithm.needs_critic():
+            raise UserError(
+                "run.stages has grpo but algorithm.advantage.estimator=gae needs a critic; use the ppo stage"
+            )
+        if self.rl_stages and not self.data.train_files:
+            raise UserError("data.train_files is empty: the RL stages need prompt files")
+        if "sft" in self.run.stages and not self.sft.data.train_files:
+            raise UserError("sft.data.train_files is empty: the sft stage needs demonstration files")
+        if "rm" in self.run.stages and not self.rm.data.train_files:
+            raise UserError("rm.data.train_files is empty: the rm stage needs preference-pair files")
+        if self.rl.max_staleness > 0 and self.placement.mode != "split":
+            raise UserError(
+                f"rl.max_staleness={self.rl.max_staleness} (asynchronous RL) needs placement.mode=split: rollout and "
+                "training run at the same time on different GPUs"
+            )
+        if self.placement.mode == "split" and self.placement.rollout_gpus % self.rollout.gpus_per_engine:
+            raise UserError(
+                f"placement.rollout_gpus={self.placement.rollout_gpus} is not a multiple of "
+                f"rollout.gpus_per_engine={self.rollout.gpus_per_engine}"
+            )

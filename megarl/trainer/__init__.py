@@ -1,0 +1,1 @@
+"""The trainer: the RL / SFT / reward-model loops, run checkpoints, metrics and plots."""

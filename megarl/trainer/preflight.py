@@ -1,0 +1,88 @@
+"""Checks that need the model's config.json or the machine, run before Ray or any model starts.
+
+The config loader already checked each section and what spans sections (megarl/config/job.py). Here: the model
+source exists, its architecture is supported, every role's TP/PP/EP splits the model (naming the key and the valid
+sizes), every role's layout fits its GPUs, and the batch shapes fit the data-parallel sizes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megarl.config.job import JobConfig, RoleConfig
+from megarl.errors import UserError
+
+
+def load_model_config(config: JobConfig):
+    """The HF config of the run's model: from model.path (a HF folder or megarl checkpoint), or model.init.config
+    when the model is still to be built."""
+    from megarl.checkpoint.model_io import hf_config_dir
+    from megarl.models.hf_config import load_hf_config
+
+    path = Path(config.model.path)
+    if path.exists():
+        return load_hf_config(hf_config_dir(path))
+    if config.model.init is None:
+        raise UserError(
+            f"model.path={config.model.path!r} does not exist; give a HF model folder or a megarl checkpoint "
+            "(or model.init to build a small model there)"
+        )
+    from transformers import AutoConfig
+
+    init_path = Path(config.model.init.config)
+    try:
+        raw = json.loads(init_path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"model.init.config={str(init_path)!r} is not a readable config.json ({err})") from err
+    raw["vocab_size"] = raw.get("vocab_size", 128)
+    return AutoConfig.for_model(raw.pop("model_type"), **raw)
+
+
+def used_roles(config: JobConfig) -> dict[str, RoleConfig]:
+    roles = {"actor": config.actor}
+    if config.needs_critic:
+        roles["critic"] = config.critic
+    if config.needs_ref:
+        roles["ref"] = config.ref
+    if config.reward_model.enabled or "rm" in config.run.stages:
+        roles["reward_model"] = config.reward_model
+    return roles
+
+
+def preflight(config: JobConfig) -> None:
+    from megarl.models.layout import check_parallel_layout
+    from megarl.models.registry import get_architecture
+
+    hf_config = load_model_config(config)
+    arch = get_architecture(hf_config.model_type)
+    arch.check_supported(hf_config)
+    gpus = config.placement.train_gpus
+    for name, role in used_roles(config).items():
+        key = f"{name}.model.parallel"
+        parallel = role.model.parallel.to_runtime()
+        check_parallel_layout(arch, hf_config, parallel, prefix=f"{key}.")
+        model_parallel = parallel.model_parallel_size
+        if gpus % model_parallel:
+            valid = [n for n in range(model_parallel, 8 * model_parallel + 1, model_parallel)]
+            raise UserError(
+                f"{key}: tp*pp*cp={model_parallel} does not divide placement.train_gpus={gpus} (the role's workers); "
+                f"valid train_gpus: {', '.join(map(str, valid))}, ..."
+            )
+        dp = gpus // model_parallel
+        expert_ranks = parallel.ep * (parallel.etp if parallel.etp is not None else parallel.tp) * parallel.pp
+        if parallel.ep > 1 and gpus % expert_ranks:
+            raise UserError(
+                f"{key}: ep*etp*pp={expert_ranks} does not divide placement.train_gpus={gpus} (Megatron lays experts "
+                "out over the data-parallel ranks of each stage)"
+            )
+        if name == "reward_model" and "rm" in config.run.stages and config.rm.batch_size % dp:
+            raise UserError(
+                f"rm.batch_size={config.rm.batch_size} must be a multiple of the reward model's data-parallel size "
+                f"{dp} (each rank trains on whole pairs)"
+            )
+    if config.placement.mode == "colocated" and gpus % config.rollout.gpus_per_engine:
+        raise UserError(
+            f"placement.train_gpus={gpus} is not a multiple of rollout.gpus_per_engine="
+            f"{config.rollout.gpus_per_engine}: colocated engines share the training GPUs"
+        )

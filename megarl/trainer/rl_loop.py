@@ -1,0 +1,93 @@
+"""The synchronous RL loop (stages grpo and ppo): generate -> reward -> log-probs -> advantages -> update -> sync.
+
+Every blocking call is visible here; the arithmetic is in megarl/algorithms, the wiring in rl_steps.py.
+"""
+
+from __future__ import annotations
+
+from megarl.algorithms.dapo import keep_groups
+from megarl.algorithms.losses import PolicyLoss, ValueLoss
+from megarl.data.batch import Batch
+from megarl.data.prompts import PromptSampler
+from megarl.trainer import rl_steps
+from megarl.trainer.context import RunContext
+from megarl.trainer.rollout_step import generate_batch, rollout_metrics
+
+
+def run_rl(ctx: RunContext, sampler: PromptSampler) -> None:
+    config, roles = ctx.config, ctx.roles
+    rl, algorithm, sampling = config.rl, config.algorithm, config.rollout.sampling
+    temperature = sampling.temperature or 1.0  # greedy rollouts: log-probs of the unscaled distribution
+    actor_loss = PolicyLoss(algorithm.policy_loss, algorithm.off_policy)
+    critic_loss = ValueLoss(algorithm.value_loss) if roles.critic is not None else None
+    samplers = {"prompts": sampler}
+    while ctx.state.step < rl.num_steps:
+        batch, metrics, num_tokens = _rollouts(ctx, sampler)  # generate + reward (+ DAPO refill)
+        with ctx.phase("logprobs"):
+            batch, logprob_metrics = rl_steps.add_logprobs(batch, roles, temperature)
+            batch, advantage_metrics = rl_steps.add_advantages(batch, algorithm)
+        metrics.update(logprob_metrics | advantage_metrics)
+        with ctx.phase("update"):
+            metrics.update(_update(ctx, batch, actor_loss, critic_loss, temperature))
+        with ctx.phase("sync"):
+            metrics.update(ctx.sync_weights())
+        ctx.end_step(metrics, rl.num_steps, samplers, batch, rl.eval_every, num_tokens)
+
+
+def _rollouts(ctx: RunContext, sampler: PromptSampler) -> tuple[Batch, dict[str, float], int]:
+    """A scored rollout batch of rl.prompts_per_step prompt groups. With DAPO dynamic sampling, groups whose
+    completions all scored the same carry no signal: they are dropped and more prompts are drawn, up to
+    algorithm.dapo.max_sampling_rounds rounds (a short batch is used as it is after that)."""
+    config = ctx.config
+    algorithm, sampling = config.algorithm, config.rollout.sampling
+    dapo = algorithm.dapo
+    parts, metrics, num_tokens, num_groups = [], {}, 0, 0
+    for draw in range(dapo.max_sampling_rounds if dapo.dynamic_sampling else 1):
+        with ctx.phase("rollout"):
+            seed_step = ctx.state.global_step * 1000 + draw  # every draw of every step gets its own seeds
+            rollout = generate_batch(
+                ctx.roles.rollout, next(sampler), sampling, ctx.tokenizer, config.run.seed, seed_step
+            )
+        with ctx.phase("reward"):
+            scores, reward_metrics, _ = rl_steps.score_rollout(rollout.batch, ctx.rewards, ctx.roles.reward_model)
+            batch = rl_steps.token_rewards(rollout.batch, scores, algorithm, sampling.max_new_tokens)
+        num_tokens += rollout.num_tokens
+        if draw == 0:
+            metrics = rollout_metrics(batch) | reward_metrics
+        if not dapo.dynamic_sampling:
+            return batch, metrics, num_tokens
+        keep, kept = keep_groups(batch["scores"], batch["group_ids"])
+        batch = batch.select(keep.nonzero().squeeze(1))
+        parts.append(batch.with_tensors(group_ids=_renumber(batch["group_ids"], num_groups)))
+        num_groups += kept
+        if num_groups >= config.rl.prompts_per_step:
+            break
+    batch = Batch.concat(parts)
+    batch = batch.select((batch["group_ids"] < config.rl.prompts_per_step).nonzero().squeeze(1))
+    metrics.update({"dapo/kept_groups": float(min(num_groups, config.rl.prompts_per_step)), "dapo/draws": draw + 1.0})
+    return batch, metrics, num_tokens
+
+
+def _renumber(group_ids, offset: int):
+    """Group ids 0.. in order of appearance, shifted by `offset` (kept groups of several draws stay distinct)."""
+    import torch
+
+    _, inverse = torch.unique_consecutive(group_ids, return_inverse=True)
+    return inverse + offset
+
+
+def _update(ctx: RunContext, batch: Batch, actor_loss, critic_loss, temperature: float) -> dict[str, float]:
+    """rl.ppo_epochs passes over the batch in rl.mini_batches mini-batches (one optimizer step each)."""
+    rl, algorithm = ctx.config.rl, ctx.config.algorithm
+    norm_len = ctx.config.rollout.sampling.max_new_tokens
+    train_actor = ctx.state.step >= rl.critic_warmup_steps
+    updates = []
+    for _ in range(rl.ppo_epochs):
+        for mini in rl_steps.mini_batches(batch, rl.mini_batches):
+            metrics = {}
+            if critic_loss is not None:
+                metrics |= rl_steps.update_critic(mini, ctx.roles, critic_loss, algorithm, norm_len)
+            if train_actor:
+                metrics |= rl_steps.update_actor(mini, ctx.roles, actor_loss, algorithm, temperature, norm_len)
+            updates.append(metrics)
+    return rl_steps.average(updates)

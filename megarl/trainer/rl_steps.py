@@ -1,0 +1,144 @@
+"""The steps of one RL iteration between rollout and weight sync, as functions over a Batch.
+
+Role calls split the batch by data-parallel rank and collect from the DP leaders (megarl/cluster). Algorithm math
+is the algorithms package's; this module only wires it: which tensors go in, which come out, which metrics are
+logged. Shapes: B rows (prompt groups contiguous), S columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from megarl.algorithms.advantages import AdvantageInputs, apply_kl_penalty, compute_advantages
+from megarl.algorithms.aggregation import loss_weights
+from megarl.algorithms.config import AlgorithmConfig
+from megarl.algorithms.dapo import add_to_last_token, apply_overlong_penalty
+from megarl.data.batch import Batch
+from megarl.rewards.runner import RewardRunner
+from megarl.rewards.types import RewardSample
+
+
+def score_rollout(
+    batch: Batch, runner: RewardRunner, reward_model=None, rm_coef: float = 1.0
+) -> tuple[torch.Tensor, dict[str, float], list[dict[str, float]]]:
+    """(scores_B, metrics, per-sample extras): the rule reward (and reward-model score) of every completion."""
+    samples = [
+        RewardSample(prompt, response, label)
+        for prompt, response, label in zip(batch.meta["prompt"], batch.meta["response"], batch.meta["label"])
+    ]
+    result = runner.score(samples)
+    scores = torch.tensor(result.scores, dtype=torch.float32)
+    metrics = {f"reward/{name}": value for name, value in result.metrics.items()}
+    if reward_model is not None:
+        rm_scores = reward_model.call("compute_scores", batch, dispatch="dp_split", collect="dp_leaders")["scores"]
+        metrics["reward/model_score"] = rm_scores.mean().item()
+        scores = scores + rm_coef * rm_scores
+    metrics.update({"reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0})
+    return scores, metrics, result.extras
+
+
+def token_rewards(batch: Batch, scores_B: torch.Tensor, algorithm: AlgorithmConfig, max_new_tokens: int) -> Batch:
+    """Scores placed on each sample's last response token, with DAPO's overlong shaping when configured."""
+    mask = batch["response_mask"]
+    rewards = add_to_last_token(torch.zeros(mask.shape), mask, scores_B)
+    if algorithm.dapo.overlong_buffer_len > 0:
+        rewards, _ = apply_overlong_penalty(rewards, mask, algorithm.dapo, max_new_tokens)
+    return batch.with_tensors(token_rewards=rewards, scores=scores_B)
+
+
+def add_logprobs(batch: Batch, roles, temperature: float) -> tuple[Batch, dict[str, float]]:
+    """old_logprobs (and entropy) from the actor, ref_logprobs from the ref model, old_values from the critic."""
+    out = roles.actor.call("compute_logprobs", batch, temperature, True, dispatch="dp_split", collect="dp_leaders")
+    tensors = {"old_logprobs": out["logprobs"]}
+    mask = batch["response_mask"].float()
+    metrics = {"actor/entropy": _masked_mean(out["entropy"], mask)}
+    if roles.ref is not None:
+        ref = roles.ref.call("compute_logprobs", batch, temperature, dispatch="dp_split", collect="dp_leaders")
+        tensors["ref_logprobs"] = ref["logprobs"]
+    if roles.critic is not None:
+        values = roles.critic.call("compute_values", batch, dispatch="dp_split", collect="dp_leaders")
+        tensors["old_values"] = values["values"]
+        metrics["critic/values"] = _masked_mean(values["values"], mask)
+    batch = batch.with_tensors(**tensors)
+    metrics.update(mismatch_metrics(batch))
+    return batch, metrics
+
+
+def add_advantages(batch: Batch, algorithm: AlgorithmConfig) -> tuple[Batch, dict[str, float]]:
+    """KL reward penalty (if on), then advantages and returns."""
+    rewards, metrics = batch["token_rewards"], {}
+    mask = batch["response_mask"]
+    if algorithm.kl.coef > 0:
+        rewards, kl = apply_kl_penalty(rewards, batch["old_logprobs"], batch["ref_logprobs"], mask, algorithm.kl)
+        metrics["kl/reward_penalty"] = _masked_mean(kl, mask.float())
+    inputs = AdvantageInputs(rewards, mask, batch["group_ids"], batch.tensors.get("old_values"))
+    advantages, returns = compute_advantages(inputs, algorithm.advantage)
+    metrics["advantages/mean"] = _masked_mean(advantages, mask.float())
+    metrics["advantages/abs_mean"] = _masked_mean(advantages.abs(), mask.float())
+    return batch.with_tensors(advantages=advantages, returns=returns), metrics
+
+
+def mini_batches(batch: Batch, num: int) -> Iterator[Batch]:
+    """Cut the batch into `num` mini-batches of whole prompt groups, in order."""
+    group_ids = batch["group_ids"]
+    groups = torch.unique_consecutive(group_ids)
+    bounds = [len(groups) * i // num for i in range(num + 1)]
+    for i in range(num):
+        chosen = groups[bounds[i] : bounds[i + 1]]
+        rows = torch.isin(group_ids, chosen).nonzero().squeeze(1)
+        yield batch.select(rows)
+
+
+def update_actor(
+    batch: Batch, roles, loss_fn, algorithm: AlgorithmConfig, temperature: float, norm_len: int
+) -> dict[str, float]:
+    """One optimizer step on a mini-batch; loss weights from the policy loss's aggregation over this mini-batch."""
+    config = algorithm.policy_loss
+    weights = loss_weights(config.aggregation, batch["response_mask"], config.norm_len or norm_len)
+    metrics = roles.actor.call(
+        "update_policy",
+        batch.with_tensors(loss_weights=weights),
+        loss_fn,
+        temperature,
+        dispatch="dp_split",
+        collect="rank0",
+    )
+    return {f"actor/{name}": value for name, value in metrics.items()}
+
+
+def update_critic(batch: Batch, roles, loss_fn, algorithm: AlgorithmConfig, norm_len: int) -> dict[str, float]:
+    config = algorithm.value_loss
+    weights = loss_weights(config.aggregation, batch["response_mask"], config.norm_len or norm_len)
+    metrics = roles.critic.call(
+        "update_critic", batch.with_tensors(loss_weights=weights), loss_fn, dispatch="dp_split", collect="rank0"
+    )
+    return {f"critic/{name}": value for name, value in metrics.items()}
+
+
+def mismatch_metrics(batch: Batch) -> dict[str, float]:
+    """Training-inference mismatch on the rollout's own tokens: the engine's log-probs against the actor's."""
+    if "rollout_logprobs" not in batch or "old_logprobs" not in batch:
+        return {}
+    mask = batch["response_mask"].bool()
+    delta = (batch["old_logprobs"] - batch["rollout_logprobs"])[mask]
+    if delta.numel() == 0:
+        return {}
+    ratio = delta.exp()  # pi_actor / pi_rollout per token
+    return {
+        "mismatch/abs_logprob_diff_mean": delta.abs().mean().item(),
+        "mismatch/abs_logprob_diff_max": delta.abs().max().item(),
+        "mismatch/ratio_mean": ratio.mean().item(),
+        "mismatch/kl": (ratio - 1 - delta).mean().item(),  # k3 estimate of KL(rollout || actor)
+    }
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    return ((values * mask).sum() / mask.sum().clamp(min=1)).item()
+
+
+def average(metrics: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each metric over a list of per-update dicts."""
+    names = {name for m in metrics for name in m}
+    return {name: sum(m[name] for m in metrics if name in m) / sum(name in m for m in metrics) for name in names}

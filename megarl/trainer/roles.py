@@ -1,0 +1,167 @@
+"""The run's worker groups: which roles exist, where they are placed, and their set-up.
+
+Placement (config `placement`): colocated — every role's workers share the training GPUs (each worker reserves
+1/k of its GPU for k roles; the roles take turns, handing memory over by offloading); split — the rollout engines
+get GPUs of their own (asynchronous RL needs this). Each training role is one SPMD group of `train_gpus` workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.cluster.config import ClusterConfig
+from megarl.cluster.resource_pool import ResourcePool
+from megarl.cluster.worker_group import WorkerGroup
+from megarl.config.job import JobConfig, RoleConfig
+from megarl.workers.megatron_worker import MegatronWorker
+from megarl.workers.rollout_worker import RolloutWorker
+
+
+@dataclass
+class Roles:
+    actor: WorkerGroup
+    rollout: WorkerGroup
+    critic: WorkerGroup | None
+    ref: WorkerGroup | None
+    reward_model: WorkerGroup | None
+    pools: list[ResourcePool]
+    colocated: bool
+
+    def training_groups(self) -> list[WorkerGroup]:
+        return [g for g in (self.actor, self.critic, self.ref, self.reward_model) if g is not None]
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(Exception):  # the group may be down already
+            self.rollout.call("shutdown_engine", timeout_s=60)
+        for group in (self.rollout, *self.training_groups()):
+            group.shutdown()
+        for pool in self.pools:
+            pool.remove()
+
+
+def local_cluster(config: JobConfig) -> ClusterConfig:
+    """The cluster settings to start Ray with: a local instance without GPUs announces as many logical GPUs as the
+    placement needs (placement groups and bundles then work exactly as on a GPU node)."""
+    cluster = config.cluster
+    if not cluster.is_local or cluster.logical_gpus is not None:
+        return cluster
+    import torch
+
+    if torch.cuda.is_available():
+        return cluster
+    needed = config.placement.train_gpus + config.placement.rollout_gpus
+    return dataclasses.replace(cluster, logical_gpus=needed, gpus_per_node=needed)
+
+
+def _pool(name: str, num_gpus: int, cluster: ClusterConfig, cpus: float) -> ResourcePool:
+    per_node = cluster.gpus_per_node or num_gpus
+    if num_gpus > per_node and num_gpus % per_node:
+        raise ValueError(f"pool {name}: {num_gpus} GPUs is not a whole number of {per_node}-GPU nodes")
+    num_nodes = max(num_gpus // per_node, 1)
+    gpus_per_node = min(num_gpus, per_node)
+    return ResourcePool(
+        name,
+        num_nodes,
+        gpus_per_node,
+        cpus_per_bundle=cpus,
+        strategy=cluster.placement,
+        timeout_s=cluster.init_timeout_s,
+    )
+
+
+def _share(num_roles: int) -> float:
+    """The GPU fraction each of `num_roles` colocated workers reserves (rounded down to Ray's precision)."""
+    return int(10_000 / num_roles) / 10_000
+
+
+def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) -> Roles:
+    """Start every role's worker group and set it up (models loaded, rollout engines started)."""
+    cluster = config.cluster
+    timeouts = cluster.timeouts()
+    env = dict(cluster.worker_env)
+    wanted = {
+        "critic": config.needs_critic,
+        "ref": config.needs_ref,
+        "reward_model": (bool(config.rl_stages) and config.reward_model.enabled) or "rm" in config.run.stages,
+    }
+    train_roles = ["actor", *[name for name, on in wanted.items() if on]]
+    colocated = config.placement.mode == "colocated"
+    train_pool = _pool("train", config.placement.train_gpus, cluster, cluster.cpus_per_worker)
+    pools = [train_pool]
+    if colocated:
+        rollout_pool, share = train_pool, _share(len(train_roles) + 1)
+        rollout_share = share
+    else:
+        rollout_pool = _pool("rollout", config.placement.rollout_gpus, cluster, cluster.cpus_per_worker)
+        pools.append(rollout_pool)
+        share, rollout_share = _share(len(train_roles)), 1.0
+
+    def group(role: str) -> WorkerGroup:
+        return WorkerGroup(MegatronWorker, train_pool, role, num_gpus_per_worker=share, env=env, timeouts=timeouts)
+
+    groups = {role: group(role) for role in train_roles}
+    num_engines = rollout_pool.world_size // config.rollout.gpus_per_engine
+    rollout = WorkerGroup(
+        RolloutWorker,
+        rollout_pool,
+        "rollout",
+        world_size=num_engines,
+        num_gpus_per_worker=rollout_share,
+        env=env,
+        timeouts=timeouts,
+    )
+    roles = Roles(
+        actor=groups["actor"],
+        rollout=rollout,
+        critic=groups.get("critic"),
+        ref=groups.get("ref"),
+        reward_model=groups.get("reward_model"),
+        pools=pools,
+        colocated=colocated,
+    )
+    setup_roles(config, roles, rl_optimizer_steps, resume)
+    return roles
+
+
+def setup_roles(config: JobConfig, roles: Roles, rl_optimizer_steps: int, resume: Any = None) -> None:
+    """Load every role's model (from the run checkpoint when resuming) in parallel; start the rollout engines."""
+    seed = config.run.seed
+    first_stage = config.run.stages[min(resume.stage_index, len(config.run.stages) - 1) if resume else 0]
+    actor_optim = config.sft.optim if first_stage == "sft" else config.actor.optim
+    actor_steps = config.sft.num_steps if first_stage == "sft" else rl_optimizer_steps
+    pending = [
+        _setup(roles.actor, config.actor, "lm", actor_optim, actor_steps, seed, resume, "actor"),
+        roles.rollout.async_call("setup", config.model.path, config.rollout),
+    ]
+    if roles.critic is not None:
+        pending.append(
+            _setup(roles.critic, config.critic, "value", config.critic.optim, rl_optimizer_steps, seed, resume)
+        )
+    if roles.ref is not None:
+        pending.append(_setup(roles.ref, config.ref, "lm", None, 1, seed, None))
+    if roles.reward_model is not None:
+        trained = "rm" in config.run.stages
+        optim = config.rm.optim if trained else None
+        pending.append(
+            _setup(roles.reward_model, config.reward_model, "value", optim, config.rm.num_steps, seed, resume)
+        )
+    for call in pending:
+        call.result()
+
+
+def _setup(
+    group: WorkerGroup,
+    role: RoleConfig,
+    head: str,
+    optim,
+    total_steps: int,
+    seed: int,
+    resume: Any,
+    name: str | None = None,
+):
+    name = name or group.role
+    path = str(resume.folder / name) if resume is not None and (resume.folder / name).is_dir() else None
+    return group.async_call("setup", role.model, role.micro_batch, head, optim, total_steps, seed, path)

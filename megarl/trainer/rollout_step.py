@@ -1,0 +1,97 @@
+"""Controller side of rollout: prompts -> requests for the engines -> completions -> a Batch.
+
+Requests are split evenly among the rollout engines (contiguous shares, so each engine prefills a prompt once for
+its n samples). Every request carries a seed derived from (run seed, step, request index): the samples do not
+depend on how many engines there are or which one served them, and a resumed run draws the same ones.
+
+The Batch rows are grouped by prompt (the n completions of prompt i are rows i*n .. i*n+n-1, `group_ids` = i), with
+`rollout_logprobs` aligned like every per-token tensor and per-row metadata: prompt and response text, label,
+finish reason, weight version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megarl.data.batch import Batch
+from megarl.data.collate import make_rl_batch
+from megarl.data.prompts import PromptSample
+from megarl.rollout.config import SamplingParams
+from megarl.rollout.engine import Completion, GenerateRequest, sample_seed
+
+
+@dataclass
+class RolloutResult:
+    batch: Batch
+    num_tokens: int
+    """Generated tokens (all completions)."""
+
+
+def request_seed(run_seed: int, step: int, index: int) -> int:
+    return sample_seed(sample_seed(run_seed, step), index)
+
+
+def generate_batch(
+    rollout_group,
+    samples: Sequence[PromptSample],
+    sampling: SamplingParams,
+    tokenizer,
+    run_seed: int,
+    step: int,
+) -> RolloutResult:
+    """Generate `sampling.n` completions per prompt on the rollout engines and collate them."""
+    requests = [
+        GenerateRequest(s.prompt_ids, seed=request_seed(run_seed, step, i), request_id=str(s.index))
+        for i, s in enumerate(samples)
+    ]
+    completions = _generate_on_engines(rollout_group, requests, sampling)
+    return collate_rollout(samples, completions, tokenizer)
+
+
+def _generate_on_engines(group, requests: list[GenerateRequest], sampling: SamplingParams) -> list[list[Completion]]:
+    num_engines = group.world_size
+    bounds = [len(requests) * i // num_engines for i in range(num_engines + 1)]
+    shares = [requests[bounds[i] : bounds[i + 1]] for i in range(num_engines)]
+    per_engine = group.call("generate", shares, [sampling] * num_engines, dispatch="per_rank")
+    return [completions for share in per_engine for completions in share]
+
+
+def collate_rollout(samples: Sequence[PromptSample], completions: list[list[Completion]], tokenizer) -> RolloutResult:
+    prompt_ids, response_ids, logprobs = [], [], []
+    meta: dict[str, list] = {k: [] for k in ("prompt", "response", "label", "finish_reason", "weight_version")}
+    group_ids = []
+    for group, (sample, outs) in enumerate(zip(samples, completions)):
+        for out in outs:
+            prompt_ids.append(sample.prompt_ids)
+            response_ids.append(out.token_ids)
+            logprobs.append(out.logprobs)
+            group_ids.append(group)
+            meta["prompt"].append(sample.text)
+            meta["response"].append(tokenizer.decode(out.token_ids, skip_special_tokens=True))
+            meta["label"].append(sample.label)
+            meta["finish_reason"].append(out.finish_reason)
+            meta["weight_version"].append(out.weight_version)
+    batch = make_rl_batch(prompt_ids, response_ids, pad_id=_pad_id(tokenizer), meta=meta, rollout_logprobs=logprobs)
+    batch = batch.with_tensors(group_ids=torch.tensor(group_ids, dtype=torch.long))
+    return RolloutResult(batch, sum(len(r) for r in response_ids))
+
+
+def _pad_id(tokenizer) -> int:
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def rollout_metrics(batch: Batch) -> dict[str, float]:
+    """Response lengths and finish reasons of a rollout batch."""
+    lengths = batch["response_mask"].sum(dim=1).float()
+    reasons = batch.meta["finish_reason"]
+    return {
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": lengths.max().item(),
+        "response_length/clip_frac": sum(r == "length" for r in reasons) / max(len(reasons), 1),
+    }

@@ -1,0 +1,142 @@
+"""`megarl train`: one run from a job config — check, prepare, start the roles, run the stages, shut down.
+
+A run folder holds the resolved config, metrics.jsonl, TensorBoard events, plots and checkpoints. With
+run.resume=auto a run folder that has a checkpoint continues from it: the stage, step, data position and weight
+version come from `trainer_state.json`, every trained role from its checkpoint (at whatever layout it was saved).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from contextlib import ExitStack
+from pathlib import Path
+
+from megarl.config.job import JobConfig
+from megarl.errors import UserError
+from megarl.trainer.context import RunContext, StopRun
+from megarl.trainer.run_checkpoint import RunCheckpoints, TrainerState
+
+log = logging.getLogger("megarl")
+
+
+def train(config: JobConfig) -> int:
+    """Run every stage of `config`; returns the exit code (0 done, 130 interrupted)."""
+    from megarl.config import config_hash, save_resolved
+    from megarl.trainer.model_init import ensure_model
+    from megarl.trainer.preflight import preflight
+
+    preflight(config)
+    run_dir = Path(config.run.dir)
+    checkpoints = RunCheckpoints(run_dir, config.checkpoint.keep)
+    latest = checkpoints.latest()
+    if latest is not None and config.run.resume == "never":
+        raise UserError(f"{run_dir} already has checkpoints; use another run.dir, or run.resume=auto to continue")
+    ensure_model(config.model.path, config.model.init)
+    state = TrainerState.load(latest) if latest else TrainerState(config_hash=config_hash(config))
+    if latest and state.config_hash != config_hash(config):
+        log.warning("the config differs from the one that wrote %s; continuing with the new one", latest)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_resolved(config, run_dir / "config.yaml")
+    with ExitStack() as stack:
+        ctx, data = _start(config, run_dir, checkpoints, state, latest, stack)
+        return _run_stages(ctx, data)
+
+
+def _start(config: JobConfig, run_dir: Path, checkpoints, state: TrainerState, latest, stack: ExitStack):
+    from transformers import AutoTokenizer
+
+    from megarl.checkpoint.model_io import hf_config_dir
+    from megarl.cluster.ray_runtime import start_ray, stop_ray
+    from megarl.rewards.runner import RewardRunner
+    from megarl.trainer.metrics import build_logger
+    from megarl.trainer.progress import RunProgress
+    from megarl.trainer.roles import local_cluster, start_roles
+    from megarl.trainer.stage_data import build_stage_data, total_steps
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_config_dir(config.model.path), local_files_only=True)
+    data = build_stage_data(config, tokenizer, state)  # every dataset is read and checked before Ray starts
+    rewards = stack.enter_context(RewardRunner(config.reward))
+    start_ray(local_cluster(config))
+    stack.callback(stop_ray)
+    resume = _Resume(latest, state.stage_index) if latest else None
+    roles = start_roles(config, rl_optimizer_steps(config), resume)
+    stack.callback(roles.shutdown)
+    if latest is not None:
+        _restore_roles(config, roles, latest, state)
+    logger = stack.enter_context(build_logger(run_dir, config.logging, resume_step=state.global_step))
+    progress = RunProgress(
+        total_steps(config),
+        state.global_step,
+        enabled=config.logging.progress,
+        console_every=config.logging.console_every,
+    )
+    stack.callback(progress.close)
+    ctx = RunContext(config, roles, tokenizer, logger, progress, checkpoints, state, rewards, run_dir)
+    ctx.eval_prompts = data.eval_prompts
+    if config.logging.plots:
+        stack.callback(_plot, run_dir)
+    return ctx, data
+
+
+class _Resume:
+    def __init__(self, folder: Path, stage_index: int):
+        self.folder = folder
+        self.stage_index = stage_index
+
+
+def rl_optimizer_steps(config: JobConfig) -> int:
+    return config.rl.num_steps * config.rl.ppo_epochs * config.rl.mini_batches
+
+
+def _restore_roles(config: JobConfig, roles, latest: Path, state: TrainerState) -> None:
+    """Optimizer and RNG states of the trained roles (their weights were loaded at set-up). A stage that had not
+    started when the checkpoint was written starts with a fresh optimizer."""
+    if state.step == 0:
+        return
+    for name, group in (("actor", roles.actor), ("critic", roles.critic), ("reward_model", roles.reward_model)):
+        if group is not None and (latest / name).is_dir():
+            group.call("load_checkpoint", str(latest / name), True, False)
+
+
+def _run_stages(ctx: RunContext, data) -> int:
+    from megarl.trainer.stage_data import run_stage
+
+    stages = ctx.config.run.stages
+    previous = signal.signal(signal.SIGINT, _interrupt_handler(ctx))
+    try:
+        while ctx.state.stage_index < len(stages):
+            run_stage(ctx, data)
+            ctx.state.stage_index += 1
+            ctx.state.step = 0
+            if ctx.config.checkpoint.save_at_end:
+                with ctx.phase("checkpoint"):
+                    ctx.save_checkpoint(data.samplers())
+    except StopRun as stop:
+        ctx.progress.message(f"megarl: {stop}")
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    ctx.progress.message(f"megarl: done; run folder {ctx.run_dir}")
+    return 0
+
+
+def _interrupt_handler(ctx: RunContext):
+    """First Ctrl-C: finish the step, save a checkpoint, stop. Second: stop at once (the last checkpoint stands)."""
+
+    def handle(signum, frame):
+        if ctx.stop_requested:
+            raise KeyboardInterrupt
+        ctx.stop_requested = True
+        ctx.progress.message("megarl: stopping after this step (a checkpoint will be saved); Ctrl-C again to abort")
+
+    return handle
+
+
+def _plot(run_dir: Path) -> None:
+    from megarl.trainer.plots import plot_run
+
+    try:
+        plot_run(run_dir)
+    except Exception as err:  # plots must never fail a finished run
+        log.warning("could not write plots: %s", err)

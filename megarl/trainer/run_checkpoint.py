@@ -1,0 +1,129 @@
+"""Run checkpoints: `run_dir/checkpoints/step_N/` with each trained role's state and `trainer_state.json`.
+
+    checkpoints/
+      step_12/
+        actor/               workers/role_checkpoint.py: weights (a megarl checkpoint folder), optimizer, RNG
+        critic/              (when the run has one)
+        trainer_state.json   stage, step, data position, weight version, config hash, metrics that resume needs
+      latest                 a text file naming the newest complete step folder (written last, atomically)
+
+A checkpoint becomes visible only when complete: it is written as `.step_N.partial`, renamed to `step_N`, and only
+then is `latest` replaced (write to a temporary file, fsync, rename). A crash at any point leaves the previous
+checkpoint as `latest`; a stale `.partial` folder is removed at the next save. Older checkpoints beyond `keep`
+are deleted only after the new one is in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megarl.errors import UserError
+
+LATEST = "latest"
+STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class TrainerState:
+    """Everything besides the roles' own state that an exact resume needs."""
+
+    stage_index: int = 0
+    """Index into run.stages of the stage in progress."""
+    step: int = 0
+    """Steps of that stage already completed."""
+    global_step: int = 0
+    """Steps of all stages completed (the x axis of metrics.jsonl)."""
+    weight_version: int = 0
+    """Version of the actor's weights (bumped by every update that was synced to the rollout engines)."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """Sampler positions by name (epoch and index in the epoch's permutation)."""
+    config_hash: str = ""
+    """Hash of the resolved config that wrote the checkpoint (a changed config is reported on resume)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Loop-specific counters (e.g. consecutive skipped steps)."""
+
+    def save(self, folder: Path) -> None:
+        _write_atomic(folder / STATE_FILE, json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, folder: Path) -> TrainerState:
+        path = folder / STATE_FILE
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError) as err:
+            raise UserError(f"{path} is not a readable trainer state ({err}); the checkpoint is incomplete") from err
+
+
+class RunCheckpoints:
+    def __init__(self, run_dir: str | Path, keep: int = 2):
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep = keep
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint folder, or None."""
+        pointer = self.root / LATEST
+        if not pointer.is_file():
+            return None
+        folder = self.root / pointer.read_text().strip()
+        if not (folder / STATE_FILE).is_file():
+            raise UserError(
+                f"{pointer} names {folder.name}, which is not a complete checkpoint (no {STATE_FILE}); "
+                f"point it at another step folder in {self.root} or remove it to start afresh"
+            )
+        return folder
+
+    def begin(self, global_step: int) -> Path:
+        """A fresh staging folder for the checkpoint of `global_step` (stale staging folders removed)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(".step_*.partial"):
+            shutil.rmtree(stale, ignore_errors=True)
+        staging = self.root / f".step_{global_step}.partial"
+        staging.mkdir()
+        return staging
+
+    def commit(self, staging: Path, state: TrainerState) -> Path:
+        """Finish a checkpoint: trainer state in, rename into place, then point `latest` at it, then prune."""
+        state.save(staging)
+        _fsync_dir(staging)
+        final = self.root / staging.name.removeprefix(".").removesuffix(".partial")
+        if final.exists():  # a re-run of the same step after a crash between rename and `latest`
+            shutil.rmtree(final)
+        os.rename(staging, final)
+        _fsync_dir(self.root)
+        _write_atomic(self.root / LATEST, final.name + "\n")
+        self._prune(final)
+        return final
+
+    def _prune(self, newest: Path) -> None:
+        if self.keep <= 0:
+            return
+        steps = sorted(
+            (int(m.group(1)), p) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()
+        )
+        for _, folder in steps[: max(len(steps) - self.keep, 0)]:
+            if folder != newest:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,106 @@
+"""The stages of a run: their data (read and checked before anything starts, samplers resumed from the trainer
+state) and what happens between stages (a fresh optimizer, weights synced into the engines, the reference model
+taking the actor's weights after SFT, a baseline evaluation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.config.job import JobConfig
+from megarl.data.pairs import PairDataset
+from megarl.data.prompts import PromptDataset
+from megarl.data.sft import SFTDataset
+from megarl.trainer.context import RunContext
+from megarl.trainer.run_checkpoint import TrainerState
+
+
+@dataclass
+class StageData:
+    prompts: PromptDataset | None = None
+    eval_prompts: PromptDataset | None = None
+    sft: SFTDataset | None = None
+    pairs: PairDataset | None = None
+    prompt_sampler: Any = None
+    sft_sampler: Any = None
+    pair_sampler: Any = None
+
+    def samplers(self) -> dict[str, Any]:
+        named = {"prompts": self.prompt_sampler, "sft": self.sft_sampler, "rm": self.pair_sampler}
+        return {name: sampler for name, sampler in named.items() if sampler is not None}
+
+
+def build_stage_data(config: JobConfig, tokenizer, state: TrainerState) -> StageData:
+    data = StageData()
+    if config.rl_stages:
+        data.prompts = PromptDataset(config.data, tokenizer, "train", key="data")
+        data.prompt_sampler = data.prompts.sampler(config.rl.prompts_per_step)
+    if config.data.eval_files:
+        data.eval_prompts = PromptDataset(config.data, tokenizer, "eval", key="data")
+    if "sft" in config.run.stages:
+        data.sft = SFTDataset(config.sft.data, tokenizer, "train", key="sft.data")
+        data.sft_sampler = data.sft.sampler(config.sft.batch_size)
+    if "rm" in config.run.stages:
+        data.pairs = PairDataset(config.rm.data, tokenizer, "train", key="rm.data")
+        data.pair_sampler = data.pairs.sampler(config.rm.batch_size)
+    for name, sampler in data.samplers().items():
+        if name in state.data:
+            sampler.load_state_dict(state.data[name])
+    return data
+
+
+def stage_steps(config: JobConfig, stage: str) -> int:
+    return {"sft": config.sft.num_steps, "rm": config.rm.num_steps}.get(stage, config.rl.num_steps)
+
+
+def total_steps(config: JobConfig) -> int:
+    return sum(stage_steps(config, stage) for stage in config.run.stages)
+
+
+def run_stage(ctx: RunContext, data: StageData) -> None:
+    from megarl.trainer.rl_loop import run_rl
+    from megarl.trainer.rm_loop import run_rm
+    from megarl.trainer.sft_loop import run_sft
+
+    stage, config = ctx.stage, ctx.config
+    ctx.progress.message(f"megarl: stage {stage} ({stage_steps(config, stage)} steps) from step {ctx.state.step}")
+    if stage == "sft":
+        _prepare_optimizer(ctx, config.sft.optim, config.sft.num_steps)
+        run_sft(ctx, data.sft, data.sft_sampler)
+    elif stage == "rm":
+        run_rm(ctx, data.pairs, data.pair_sampler)
+    else:
+        _prepare_optimizer(ctx, config.actor.optim, config.rl.num_steps * config.rl.ppo_epochs * config.rl.mini_batches)
+        _prepare_rl(ctx)
+        run_rl(ctx, data.prompt_sampler)
+
+
+def _prepare_optimizer(ctx: RunContext, settings, total_steps: int) -> None:
+    """A stage that starts after another gets its own optimizer (the first stage's was built at set-up)."""
+    if ctx.state.step == 0 and ctx.state.stage_index > 0:
+        ctx.roles.actor.call("set_optimizer", settings, total_steps)
+
+
+def _prepare_rl(ctx: RunContext) -> None:
+    """Engines get the actor's current weights; after SFT the reference model becomes the SFT'd actor."""
+    metrics = ctx.sync_weights()
+    previous = ctx.config.run.stages[: ctx.state.stage_index]
+    if ctx.state.step == 0 and ctx.roles.ref is not None and "sft" in previous:
+        latest = ctx.checkpoints.latest()
+        if latest is None:
+            raise RuntimeError("the reference model needs the end-of-SFT checkpoint (checkpoint.save_at_end)")
+        ctx.roles.ref.call("load_checkpoint", str(latest / "actor"), False)
+    if ctx.state.step == 0 and ctx.state.stage_index == 0 and ctx.config.rl.eval_at_start:
+        with ctx.phase("eval"):
+            metrics.update(ctx.evaluate())
+        ctx.logger.log(ctx.state.global_step, metrics)
+        ctx.progress.message(_describe_eval(metrics))
+
+
+def _describe_eval(metrics: dict[str, float]) -> str:
+    if "eval/accuracy" not in metrics:
+        return "megarl: no eval set (data.eval_files)"
+    return (
+        f"megarl: eval accuracy {metrics['eval/accuracy']:.3f} on {int(metrics['eval/num_prompts'])} prompts "
+        f"(reward {metrics['eval/reward']:.3f})"
+    )

@@ -1,0 +1,1 @@
+"""Role workers: Megatron actor, critic, ref and reward-model compute, and the rollout worker."""

@@ -1,0 +1,112 @@
+"""The Ray worker of every Megatron role (actor, critic, ref, reward model): a thin shell over workers/*.
+
+One process of the role's SPMD world. The controller builds the group (megarl/cluster), then calls `setup` once
+with the role's settings; after that every call takes this rank's share of a batch (dp_split) and the results
+come back from the data-parallel leaders (TP rank 0 on the last pipeline stage). No algorithm math here: loss
+functions arrive from the controller.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from megarl.cluster.worker import ParallelInfo, Worker
+from megarl.data.batch import Batch
+from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings
+
+
+class MegatronWorker(Worker):
+    def setup(
+        self,
+        model: ModelSettings,
+        micro_batch: MicroBatchSettings,
+        head: str = "lm",
+        optimizer: OptimizerSettings | None = None,
+        total_steps: int = 1,
+        seed: int = 1,
+        path: str | None = None,
+    ) -> dict[str, Any]:
+        """Initialize Megatron's parallel state at the role's layout and load the model (trainable when optimizer
+        settings are given). `path` overrides model.path (resuming from a run checkpoint)."""
+        from megarl.runtime.distributed import init_model_parallel
+        from megarl.workers.role_model import build_role_model
+
+        start = time.perf_counter()
+        init_model_parallel(model.parallel.to_runtime(), seed=seed)
+        self.micro_batch = micro_batch
+        self.model = build_role_model(model, head, optimizer, total_steps, path)
+        num_params = sum(p.numel() for chunk in self.model.loaded.chunks for p in chunk.parameters())
+        return {"seconds": time.perf_counter() - start, "local_params": num_params}
+
+    def parallel_info(self) -> ParallelInfo:
+        from megatron.core import parallel_state as ps
+
+        from megarl.workers.schedule import is_output_rank
+
+        return ParallelInfo(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), is_output_rank())
+
+    def set_optimizer(self, optimizer: OptimizerSettings, total_steps: int) -> None:
+        """A fresh optimizer (a new stage, e.g. RL after SFT, starts its own schedule and Adam state)."""
+        from megarl.workers.optimizer import build_optimizer
+
+        self.model.optimizer = build_optimizer(optimizer, self.model.chunks, total_steps)
+
+    # -- policy (actor, ref) -------------------------------------------------------------------------------------
+
+    def compute_logprobs(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False) -> Batch | None:
+        from megarl.workers.policy import compute_logprobs
+
+        return compute_logprobs(self.model, batch, temperature, self.micro_batch.forward_budget, with_entropy)
+
+    def update_policy(self, batch: Batch, loss_fn, temperature: float = 1.0) -> dict[str, float]:
+        from megarl.workers.policy import update_policy
+
+        return update_policy(self.model, batch, loss_fn, temperature, self.micro_batch.max_tokens)
+
+    # -- value (critic, reward model) ----------------------------------------------------------------------------
+
+    def compute_values(self, batch: Batch) -> Batch | None:
+        from megarl.workers.value import compute_values
+
+        return compute_values(self.model, batch, self.micro_batch.forward_budget)
+
+    def update_critic(self, batch: Batch, loss_fn) -> dict[str, float]:
+        from megarl.workers.value import update_critic
+
+        return update_critic(self.model, batch, loss_fn, self.micro_batch.max_tokens)
+
+    def compute_scores(self, batch: Batch) -> Batch | None:
+        from megarl.workers.value import compute_scores
+
+        return compute_scores(self.model, batch, self.micro_batch.forward_budget)
+
+    def update_reward_model(self, batch: Batch) -> dict[str, float]:
+        from megarl.workers.value import update_reward_model
+
+        return update_reward_model(self.model, batch, self.micro_batch.max_tokens)
+
+    # -- weights ---------------------------------------------------------------------------------------------------
+
+    def sync_weights(self, engines: list, version: int, bucket_bytes: int) -> dict[str, float]:
+        """Stream this rank's share of the HF-named weights into every rollout engine (workers/weight_sync.py)."""
+        from megarl.workers.weight_sync import send_weights
+
+        return send_weights(self.model.loaded, engines, version, bucket_bytes)
+
+    def save_checkpoint(self, folder: str) -> None:
+        """Collective: model weights (a megarl checkpoint folder), optimizer state and RNG into `folder`."""
+        from megarl.workers.role_checkpoint import save_role
+
+        save_role(self.model, folder)
+
+    def load_checkpoint(self, folder: str, load_optimizer: bool = True, load_weights: bool = True) -> None:
+        from megarl.workers.role_checkpoint import load_role
+
+        load_role(self.model, folder, load_optimizer, load_weights)
+
+    def offload(self) -> None:
+        self.model.offload()
+
+    def onload(self) -> None:
+        self.model.onload()
