@@ -51,9 +51,10 @@ class RunContext:
 
     # -- weights -------------------------------------------------------------------------------------------------
 
-    def sync_weights(self) -> dict[str, float]:
-        """Push the actor's weights into every rollout engine as the next weight version."""
-        version = self.state.weight_version + 1
+    def sync_weights(self, new_version: bool = True) -> dict[str, float]:
+        """Push the actor's weights into every rollout engine as the next weight version (or, for engines that
+        restarted, as the version the weights already have)."""
+        version = self.state.weight_version + int(new_version)
         rollout, actor = self.roles.rollout, self.roles.actor
         rollout.call("begin_weight_update", version)
         sent = actor.call(
@@ -145,9 +146,9 @@ class RunContext:
         """Every trained role's state plus the trainer state, as one atomic run checkpoint."""
         staging = self.checkpoints.begin(self.state.global_step)
         trained = {"actor": self.roles.actor}
-        if self.roles.critic is not None and self.stage == "ppo":
+        if self.roles.critic is not None:
             trained["critic"] = self.roles.critic
-        if self.roles.reward_model is not None and self.stage == "rm":
+        if self.roles.reward_model is not None and "rm" in self.config.run.stages:
             trained["reward_model"] = self.roles.reward_model
         pending = [group.async_call("save_checkpoint", str(staging / name)) for name, group in trained.items()]
         for call in pending:

@@ -83,7 +83,7 @@ def _prepare_optimizer(ctx: RunContext, settings, total_steps: int) -> None:
 
 def _prepare_rl(ctx: RunContext) -> None:
     """Engines get the actor's current weights; after SFT the reference model becomes the SFT'd actor."""
-    metrics = ctx.sync_weights()
+    metrics = ctx.sync_weights(new_version=ctx.state.step == 0)  # a resumed stage's engines restarted
     previous = ctx.config.run.stages[: ctx.state.stage_index]
     if ctx.state.step == 0 and ctx.roles.ref is not None and "sft" in previous:
         latest = ctx.checkpoints.latest()
