@@ -160,10 +160,24 @@ def test_checkpoint_saved_at_tp2_resumes_at_pp2(ranks4, ranks1, hf_checkpoint, t
     assert loss == pytest.approx(straight[2], abs=1e-6)
     assert num_steps == 3
     # what TP=2 saved and what PP=2 saved again hold the same parameters and Adam states
-    (state_a, steps_a), (state_b, steps_b) = ranks1.run(optimizer_state, folder, str(saved))[0], ranks1.run(
-        optimizer_state, folder, str(resaved)
-    )[0]
+    (state_a, steps_a), (state_b, steps_b) = (
+        ranks1.run(optimizer_state, folder, str(saved))[0],
+        ranks1.run(optimizer_state, folder, str(resaved))[0],
+    )
     assert steps_a == steps_b == 2 and state_a.keys() == state_b.keys()
     for name, (param, avg, avg_sq) in state_a.items():
         other = state_b[name]
         assert torch.equal(param, other[0]) and torch.equal(avg, other[1]) and torch.equal(avg_sq, other[2]), name
+
+
+@pytest.mark.parametrize("layout", [ParallelConfig(ep=2), ParallelConfig(pp=2, ep=2)], ids=layout_id)
+def test_moe_update_gives_the_same_weights_with_expert_parallelism(ranks4, hf_checkpoint, layout):
+    folder = str(hf_checkpoint("tiny-qwen3-moe"))
+    batch = random_batch(8, vocab_size=1000, seed=6)
+    weights = loss_weights("token-mean", batch["response_mask"])
+    ref_history, ref_sent = _run_update(ranks4, folder, (1, 1, 1), batch, weights)
+    history, sent = _run_update(ranks4, folder, layout, batch, weights)
+    assert sent.keys() == ref_sent.keys()
+    worst = max((sent[name] - ref_sent[name]).abs().max().item() for name in ref_sent)
+    assert worst < 1e-5, f"largest weight difference {worst:.2e}"
+    assert history[-1]["loss"] == pytest.approx(ref_history[-1]["loss"], abs=1e-6)

@@ -24,6 +24,10 @@ def _runtime_kwargs(spec: McoreModelSpec, backend: SpecBackend) -> dict:
         # Batched isend/irecv over gloo corrupts activations in the interleaved schedule's training passes (the
         # third micro-batch on saw its inputs change; mcore 0.16.1): plain point-to-point ops there.
         "batch_p2p_comm": torch.cuda.is_available(),
+        # Free pipeline outputs once sent, and run backward through the autograd engine directly (Megatron-LM's
+        # default). torch.autograd.backward would dispatch to the CPU compatibility mode, which switches itself off
+        # while handling a call: the whole backward pass (e.g. the MoE all-gather's) would see CUDA devices again.
+        "deallocate_pipeline_outputs": True,
     }
     if spec.moe:
         # all-to-all dispatch needs CUDA streams; grouped GEMMs need Transformer Engine.

@@ -86,6 +86,12 @@ class MegatronWorker(Worker):
 
         return update_reward_model(self.model, batch, self.micro_batch.max_tokens)
 
+    def greedy_decode(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]:
+        """Reference greedy decoding with the Megatron model (checks of the rollout engine)."""
+        from megarl.workers.reference_decode import greedy_decode
+
+        return greedy_decode(self.model, prompts, max_new_tokens, frozenset(stop_ids))
+
     # -- weights ---------------------------------------------------------------------------------------------------
 
     def sync_weights(self, engines: list, version: int, bucket_bytes: int) -> dict[str, float]:
@@ -93,6 +99,18 @@ class MegatronWorker(Worker):
         from megarl.workers.weight_sync import send_weights
 
         return send_weights(self.model.loaded, engines, version, bucket_bytes)
+
+    def export_weights(self) -> list[tuple[str, object]]:
+        """This rank's share of the HF-named weights, as a sync would send them (checks and debugging; a sync
+        streams them instead of holding them all)."""
+        from megarl.bridge.exporter import export_hf_weights
+
+        loaded = self.model.loaded
+        return [
+            (name, tensor.clone())
+            for bucket in export_hf_weights(loaded.bridge, loaded.hf_dtypes)
+            for name, tensor in bucket
+        ]
 
     def save_checkpoint(self, folder: str) -> None:
         """Collective: model weights (a megarl checkpoint folder), optimizer state and RNG into `folder`."""
