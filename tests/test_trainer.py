@@ -41,7 +41,7 @@ critic:
 rollout:
   sampling: {{n: 4, temperature: 1.0, max_new_tokens: 6}}
   eval_sampling: {{temperature: 0.0, max_new_tokens: 6}}
-reward: {{fn: "{FIXTURES / 'digit_reward.py'}:digit_fraction", num_workers: 0}}
+reward: {{fn: "{FIXTURES / "digit_reward.py"}:digit_fraction", num_workers: 0}}
 data: {{train_files: [{data}], eval_files: [{data}], eval_max_samples: 8}}
 rl: {{num_steps: {num_steps}, prompts_per_step: 8}}
 logging: {{tensorboard: true, plots: false, progress: false}}

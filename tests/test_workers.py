@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import layout_id
 from worker_ranks import (
     critic_update,
     critic_values,
@@ -19,7 +20,6 @@ from worker_ranks import (
     train_and_save,
 )
 
-from helpers import layout_id
 from megarl.algorithms.aggregation import loss_weights
 from megarl.data.batch import Batch
 from megarl.runtime.parallel import ParallelConfig

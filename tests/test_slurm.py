@@ -1,0 +1,299 @@
+"""tools/slurm/megarl.sbatch on a real single-node Slurm (Debian's slurmctld + slurmd + munge, started here as root
+with a generated slurm.conf in a temporary folder).
+
+The template runs bare metal with two tasks on this machine: two Ray nodes (head + worker) that must both join,
+then the entry command. The entry command is a parameter of `run_job` (MEGARL_CMD); today it is a small Ray program
+that checks the cluster it joined. Needs root and the packages `slurmctld slurmd slurm-client munge`; skipped with
+the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATE = REPO / "tools" / "slurm" / "megarl.sbatch"
+DAEMONS = ("slurmctld", "slurmd", "munged")
+CLIENTS = ("sbatch", "srun", "scancel", "scontrol", "sinfo")
+
+
+def _why_no_slurm() -> str | None:
+    if os.geteuid() != 0:
+        return "starting slurmctld/slurmd/munged needs root"
+    missing = [tool for tool in DAEMONS + CLIENTS if shutil.which(tool) is None]
+    if missing:
+        return f"{', '.join(missing)} not installed (apt-get install -y slurmctld slurmd slurm-client munge)"
+    return None
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_why_no_slurm() is not None, reason=str(_why_no_slurm()))]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _wait(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+@dataclass
+class SlurmCluster:
+    """slurmctld, slurmd and munged of our own: own ports, sockets, state and logs under `root`."""
+
+    root: Path
+    procs: list[subprocess.Popen]
+
+    @property
+    def conf(self) -> Path:
+        return self.root / "slurm.conf"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def run(self, *args: str, check: bool = True, cwd: Path | None = None, extra_env: dict | None = None) -> str:
+        env = {**self.env, **(extra_env or {})}
+        done = subprocess.run(args, env=env, capture_output=True, text=True, cwd=cwd, timeout=60)
+        if check and done.returncode:
+            raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}): {done.stdout}{done.stderr}")
+        return done.stdout
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job` as key=value pairs ({} once the job is forgotten)."""
+        out = self.run("scontrol", "-o", "show", "job", job_id, check=False)
+        return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name} ---\n{p.read_text()[-3000:]}" for p in sorted(self.root.glob("*.log")))
+
+    @classmethod
+    def start(cls, root: Path) -> SlurmCluster:
+        root.mkdir(parents=True, exist_ok=True)
+        root.chmod(0o700)  # munged refuses group/world-writable folders
+        (root / "munge.key").write_bytes(os.urandom(1024))
+        (root / "munge.key").chmod(0o400)
+        for name in ("state", "spool"):
+            (root / name).mkdir(exist_ok=True)
+        host = socket.gethostname().split(".")[0]
+        hardware = subprocess.run(["slurmd", "-C"], capture_output=True, text=True).stdout.splitlines()[0]
+        cpus = int(next(f for f in hardware.split() if f.startswith("CPUs=")).split("=")[1])
+        munge_socket = root / "munge.socket"
+        (root / "slurm.conf").write_text(
+            f"""ClusterName=megarl-test
+SlurmctldHost={host}
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={munge_socket}
+CredType=cred/munge
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+ReturnToService=2
+KillWait=30
+MinJobAge=600
+NodeName={host} CPUs={cpus} RealMemory=1000 State=UNKNOWN
+PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+"""
+        )
+        console = open(root / "daemons.out", "ab")  # noqa: SIM115 (open for the daemons' lifetime)
+        procs = [
+            subprocess.Popen(
+                [
+                    "munged",
+                    "--foreground",
+                    "--force",
+                    f"--socket={munge_socket}",
+                    f"--key-file={root}/munge.key",
+                    f"--pid-file={root}/munged.pid",
+                    f"--log-file={root}/munged.log",
+                    f"--seed-file={root}/munge.seed",
+                ],
+                stdout=console,
+                stderr=console,
+            )
+        ]
+        cluster = cls(root, procs)
+        _wait(munge_socket.exists, 20, "munged's socket")
+        env = cluster.env
+        for daemon in (["slurmctld", "-D", "-i"], ["slurmd", "-D"]):
+            procs.append(subprocess.Popen([*daemon, "-f", str(cluster.conf)], env=env, stdout=console, stderr=console))
+        try:
+            _wait(lambda: "idle" in cluster.run("sinfo", "-h", "-o", "%t", check=False), 60, "the node to be idle")
+        except TimeoutError:
+            cluster.stop()
+            raise RuntimeError(f"Slurm did not come up:\n{cluster.logs()}") from None
+        return cluster
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.terminate()
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    cluster = SlurmCluster.start(tmp_path_factory.mktemp("slurm"))
+    yield cluster
+    cluster.stop()
+
+
+def job_processes(job_id: str) -> list[str]:
+    """Processes started by the job: their environment holds SLURM_JOB_ID=<id> (Ray workers inherit it too)."""
+    found = []
+    marker = f"SLURM_JOB_ID={job_id}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            if marker in environ.split(b"\0"):
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                found.append(f"{pid}: {command[:120]}")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def run_job(slurm: SlurmCluster, tmp_path: Path, command: str, config: Path, *overrides: str) -> tuple[str, Path]:
+    """Submit the template from an unrelated folder: two tasks (two Ray nodes) on this machine, `command` as the
+    entry command (MEGARL_CMD). Returns (job id, job folder)."""
+    job_dir = tmp_path / "job"
+    submit_dir = tmp_path / "elsewhere"
+    submit_dir.mkdir()
+    env = {
+        "MEGARL_CMD": command,
+        "MEGARL_JOB_DIR": str(job_dir),
+        "MEGARL_RAY_WAIT_S": "120",
+        "MEGARL_RAY_START_ARGS": "--object-store-memory=100000000",
+        "RAY_ADDRESS": "",  # the test process' own Ray (if any) must not leak into the job
+    }
+    out = slurm.run(
+        "sbatch",
+        "--parsable",
+        "--nodes=1",
+        "--ntasks=2",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=1",
+        "--gpus-per-node=0",  # no GPUs here: overrides the template's 8
+        str(TEMPLATE),
+        str(config),
+        *overrides,
+        cwd=submit_dir,
+        extra_env=env,  # sbatch passes its environment to the job
+    )
+    return out.strip().split(";")[0], job_dir
+
+
+def wait_done(slurm: SlurmCluster, job_id: str, timeout_s: float) -> dict[str, str]:
+    finished = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+    return _wait(lambda: (job := slurm.job(job_id)) and job.get("JobState") in finished and job, timeout_s, "the job")
+
+
+CHECK_CLUSTER = """
+import json, sys, time
+import ray
+ray.init(address="auto")
+nodes = [n for n in ray.nodes() if n["Alive"]]
+result = {"argv": sys.argv[1:], "nodes": len(nodes), "cpus": ray.cluster_resources().get("CPU")}
+@ray.remote(num_cpus=1)
+def where():
+    return ray.get_runtime_context().get_node_id()
+result["task_nodes"] = len(set(ray.get([where.remote() for _ in range(8)])))
+json.dump(result, open(sys.argv[sys.argv.index("--out") + 1], "w"))
+sys.exit(0 if result["nodes"] == 2 and result["cpus"] == 2 else 3)
+"""
+
+
+def test_template_forms_a_ray_cluster_and_runs_the_command(slurm, tmp_path):
+    program = tmp_path / "check_cluster.py"
+    program.write_text(CHECK_CLUSTER)
+    config = tmp_path / "job.yaml"
+    config.write_text("run: {name: slurm-test}\n")
+    out = tmp_path / "result.json"
+    job_id, job_dir = run_job(slurm, tmp_path, f"{sys.executable} {program} --out {out}", config, "rl.num_steps=2")
+    job = wait_done(slurm, job_id, 240)
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((job_dir / "logs").glob("*.log")))
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", f"{job}\n{logs}"
+    result = json.loads(out.read_text())
+    assert result["nodes"] == 2 and result["cpus"] == 2
+    assert result["argv"][2:] == ["--config", str(config), "rl.num_steps=2", "cluster.address=auto"]
+    assert "all 2 Ray nodes joined" in (job_dir / "logs" / "sbatch.log").read_text()
+    assert (job_dir / "config.yaml").read_text() == config.read_text()
+    _wait(lambda: not job_processes(job_id), 60, "the job's processes to exit")
+
+
+SLEEP_FOREVER = """
+import pathlib, sys, time
+import ray
+ray.init(address="auto")
+@ray.remote
+class Sleeper:
+    def ping(self):
+        return "pong"
+sleepers = [Sleeper.remote() for _ in range(2)]
+ray.get([s.ping.remote() for s in sleepers])
+pathlib.Path(sys.argv[1]).write_text("ready")
+while True:
+    time.sleep(1)
+"""
+
+
+def test_scancel_shuts_ray_down_and_leaves_nothing(slurm, tmp_path):
+    program = tmp_path / "sleep_forever.py"
+    program.write_text(SLEEP_FOREVER)
+    ready = tmp_path / "ready"
+    config = tmp_path / "job.yaml"
+    config.write_text("run: {name: slurm-cancel}\n")
+    job_id, job_dir = run_job(slurm, tmp_path, f"{sys.executable} {program} {ready}", config)
+    try:
+        _wait(ready.exists, 240, "the entry command to start its Ray workers")
+    except TimeoutError:
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((job_dir / "logs").glob("*.log")))
+        raise AssertionError(f"{slurm.job(job_id)}\n{logs}") from None
+    assert any("ray::Sleeper" in p for p in job_processes(job_id)), job_processes(job_id)
+    slurm.run("scancel", job_id)
+    job = wait_done(slurm, job_id, 120)
+    assert job["JobState"] == "CANCELLED"
+    # Slurm kills what is left KillWait (30 s) after SIGTERM; the template must have stopped Ray by itself sooner.
+    _wait(lambda: not job_processes(job_id), 60, "the job's processes to exit")
+    log = (job_dir / "logs" / "sbatch.log").read_text()
+    assert "received a termination signal" in log and "stopping Ray on every node" in log
