@@ -110,10 +110,10 @@ def build_role_model(
 
 def is_moe(path: str) -> bool:
     from megarl.checkpoint.model_io import hf_config_dir
-    from megarl.models.hf_config import load_hf_config
+    from megarl.models.hf_config import read_config_json
     from megarl.models.registry import get_architecture
 
-    return get_architecture(load_hf_config(hf_config_dir(path)).model_type).moe is not None
+    return get_architecture(read_config_json(hf_config_dir(path)).get("model_type")).moe is not None
 
 
 def wrap_ddp(chunks: list[torch.nn.Module], use_distributed_optimizer: bool) -> list[torch.nn.Module]:
