@@ -7,7 +7,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from megarl.errors import UserError
+from megarl.errors import RunFailure, UserError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -140,8 +140,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"megarl: error: {err}", file=sys.stderr)
         return 2
+    except RunFailure as err:
+        if args.debug:
+            raise
+        print(f"megarl: run failed: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
-        print("megarl: interrupted; nothing was written", file=sys.stderr)
+        print("megarl: interrupted; the last complete checkpoint (if any) stands", file=sys.stderr)
         return 130
     except Exception as err:  # a bug, not bad input: say so briefly, keep the traceback behind --debug
         if args.debug:

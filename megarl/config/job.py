@@ -34,8 +34,13 @@ class RunConfig:
     rm (reward-model training). Later stages continue from the actor of earlier ones."""
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from run.dir/checkpoints/latest when it exists; never: refuse a run folder that has one."""
+    max_restarts: int = 1
+    """When a worker process dies or a worker call fails mid-run, restart every role from the last checkpoint up
+    to this many times before giving up (0 = stop at the first failure)."""
 
     def check(self, key: str) -> None:
+        if self.max_restarts < 0:
+            raise UserError(f"{key}.max_restarts={self.max_restarts} must be >= 0")
         unknown = [s for s in self.stages if s not in STAGES]
         if unknown or not self.stages:
             raise UserError(f"{key}.stages={self.stages} must list stages from: {', '.join(STAGES)}")

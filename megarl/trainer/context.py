@@ -5,7 +5,6 @@ checkpoint) go through `end_step`, and weight sync through `sync_weights`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,9 @@ from typing import Any
 from megarl.config.job import JobConfig
 from megarl.data.batch import Batch
 from megarl.data.prompts import PromptDataset
-from megarl.errors import UserError
+from megarl.errors import RunFailure
 from megarl.rewards.runner import RewardRunner
+from megarl.runtime import faults
 from megarl.trainer.rl_steps import score_rollout
 from megarl.trainer.roles import Roles
 from megarl.trainer.rollout_step import generate_batch, rollout_metrics
@@ -128,6 +128,7 @@ class RunContext:
         if batch is not None and self.config.rl.num_sample_logs:
             self._log_samples(batch)
         self.progress.update(self.state.global_step, metrics)
+        faults.hit("step.logged")
         _check_finite(metrics, self)
         if self.stop_requested and not last:
             raise StopRun(f"interrupted: checkpoint saved at step {self.state.global_step}; rerun to resume")
@@ -153,21 +154,27 @@ class RunContext:
         pending = [group.async_call("save_checkpoint", str(staging / name)) for name, group in trained.items()]
         for call in pending:
             call.result()
+        faults.hit("checkpoint.roles_written")
         self.state.data = {name: sampler.state_dict() for name, sampler in samplers.items()}
         return self.checkpoints.commit(staging, self.state)
 
 
 def _check_finite(metrics: dict[str, float], ctx: RunContext) -> None:
-    """Stop after rl.max_consecutive_bad_steps updates in a row were skipped for non-finite values."""
-    bad = any(metrics.get(name, 0.0) for name in ("actor/skipped", "critic/skipped"))
-    bad = bad or not math.isfinite(metrics.get("reward/mean", 0.0))
-    streak = ctx.state.extra.get("bad_steps", 0) + 1 if bad else 0
+    """Non-finite loss or gradients skip a role's update (its optimizer refuses the step); non-finite rewards are
+    replaced by the reward's default (counted in reward/num_failed). Stop after rl.max_consecutive_bad_steps
+    skipped steps in a row, before any more time is spent."""
+    skipped = [role for role in ("actor", "critic", "sft", "rm") if metrics.get(f"{role}/skipped", 0.0)]
+    streak = ctx.state.extra.get("bad_steps", 0) + 1 if skipped else 0
     ctx.state.extra["bad_steps"] = streak
-    if bad:
-        ctx.progress.message(f"step {ctx.state.global_step}: non-finite loss, gradients or rewards; update skipped")
+    if skipped:
+        ctx.progress.message(
+            f"megarl: step {ctx.state.global_step}: non-finite loss or gradients in {', '.join(skipped)}; "
+            "that update was skipped (weights unchanged)"
+        )
     limit = ctx.config.rl.max_consecutive_bad_steps
     if streak >= limit:
-        raise UserError(
-            f"{streak} steps in a row had non-finite loss, gradients or rewards (last at step "
-            f"{ctx.state.global_step}); stopping (rl.max_consecutive_bad_steps={limit}). The last checkpoint is intact"
+        raise RunFailure(
+            f"{streak} steps in a row ending at step {ctx.state.global_step} had non-finite loss or gradients "
+            f"({', '.join(skipped)}); stopping (rl.max_consecutive_bad_steps={limit}). No checkpoint holds "
+            "non-finite weights: rerun to resume from the last one, e.g. with a lower learning rate"
         )

@@ -13,7 +13,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from megarl.config.job import JobConfig
-from megarl.errors import UserError
+from megarl.errors import RunFailure, UserError
 from megarl.trainer.context import RunContext, StopRun
 from megarl.trainer.run_checkpoint import RunCheckpoints, TrainerState
 
@@ -21,7 +21,9 @@ log = logging.getLogger("megarl")
 
 
 def train(config: JobConfig) -> int:
-    """Run every stage of `config`; returns the exit code (0 done, 130 interrupted)."""
+    """Run every stage of `config`; returns the exit code (0 done, 130 interrupted). A worker that dies or fails
+    mid-run makes every role restart from the last checkpoint, up to run.max_restarts times."""
+    from megarl.cluster.errors import WorkerError
     from megarl.config import config_hash, save_resolved
     from megarl.trainer.model_init import ensure_model
     from megarl.trainer.preflight import preflight
@@ -29,18 +31,29 @@ def train(config: JobConfig) -> int:
     preflight(config)
     run_dir = Path(config.run.dir)
     checkpoints = RunCheckpoints(run_dir, config.checkpoint.keep)
-    latest = checkpoints.latest()
-    if latest is not None and config.run.resume == "never":
+    if checkpoints.latest() is not None and config.run.resume == "never":
         raise UserError(f"{run_dir} already has checkpoints; use another run.dir, or run.resume=auto to continue")
     ensure_model(config.model.path, config.model.init)
-    state = TrainerState.load(latest) if latest else TrainerState(config_hash=config_hash(config))
-    if latest and state.config_hash != config_hash(config):
-        log.warning("the config differs from the one that wrote %s; continuing with the new one", latest)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(config, run_dir / "config.yaml")
-    with ExitStack() as stack:
-        ctx, data = _start(config, run_dir, checkpoints, state, latest, stack)
-        return _run_stages(ctx, data)
+    for attempt in range(config.run.max_restarts + 1):
+        latest = checkpoints.latest()
+        state = TrainerState.load(latest) if latest else TrainerState(config_hash=config_hash(config))
+        if latest and state.config_hash != config_hash(config):
+            log.warning("the config differs from the one that wrote %s; continuing with the new one", latest)
+        try:
+            with ExitStack() as stack:
+                ctx, data = _start(config, run_dir, checkpoints, state, latest, stack)
+                return _run_stages(ctx, data)
+        except WorkerError as err:
+            where = f"checkpoint {latest.name}" if latest else "the start"
+            if attempt == config.run.max_restarts:
+                raise RunFailure(
+                    f"{err}\nThe run stopped after {attempt} restart(s) (run.max_restarts={config.run.max_restarts}); "
+                    f"the last checkpoint is intact: rerun the same command to resume from {where}."
+                ) from err
+            log.warning("a worker failed (%s); restarting every role from %s", str(err).splitlines()[0], where)
+    raise AssertionError("unreachable")
 
 
 def _start(config: JobConfig, run_dir: Path, checkpoints, state: TrainerState, latest, stack: ExitStack):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.errors import UserError
+from megarl.runtime import faults
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
@@ -97,6 +98,7 @@ class RunCheckpoints:
             shutil.rmtree(final)
         os.rename(staging, final)
         _fsync_dir(self.root)
+        faults.hit("checkpoint.renamed")
         _write_atomic(self.root / LATEST, final.name + "\n")
         self._prune(final)
         return final

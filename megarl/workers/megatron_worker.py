@@ -13,6 +13,7 @@ from typing import Any
 
 from megarl.cluster.worker import ParallelInfo, Worker
 from megarl.data.batch import Batch
+from megarl.runtime import faults
 from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings
 
 
@@ -62,6 +63,7 @@ class MegatronWorker(Worker):
     def update_policy(self, batch: Batch, loss_fn, temperature: float = 1.0) -> dict[str, float]:
         from megarl.workers.policy import update_policy
 
+        faults.hit(f"{self.role}.update")
         return update_policy(self.model, batch, loss_fn, temperature, self.micro_batch.max_tokens)
 
     # -- value (critic, reward model) ----------------------------------------------------------------------------

@@ -33,7 +33,23 @@ def save_role(model: RoleModel, folder: str | Path) -> None:
     from megatron.core import dist_checkpointing
 
     folder = Path(folder)
+    _check_finite(model)
     save_model(model.loaded, folder, extra_writer=lambda tmp: _save_state(model, tmp, dist_checkpointing))
+
+
+def _check_finite(model: RoleModel) -> None:
+    """Never write a checkpoint with NaN or Inf weights (collective: every rank learns whether any rank has one)."""
+    import torch.distributed as dist
+
+    bad = torch.zeros(1)
+    for chunk in model.loaded.chunks:
+        for param in chunk.parameters():
+            if not torch.isfinite(param).all():
+                bad[0] = 1
+                break
+    dist.all_reduce(bad)
+    if bad.item():
+        raise FloatingPointError("non-finite weights: refusing to write a checkpoint; the previous one stands")
 
 
 def _save_state(model: RoleModel, tmp: Path, dist_checkpointing) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 from megarl.cluster.worker import Worker
 from megarl.rollout.config import RolloutConfig, SamplingParams
 from megarl.rollout.engine import Bucket, Completion, GenerateRequest, RolloutEngine, SyncStats
+from megarl.runtime import faults
 
 ENGINES = {
     "hf": "megarl.rollout.hf_engine:HFEngine",
@@ -44,6 +45,7 @@ class RolloutWorker(Worker):
         return {"seconds": time.perf_counter() - start}
 
     def generate(self, requests: list[GenerateRequest], sampling: SamplingParams) -> list[list[Completion]]:
+        faults.hit("rollout.generate")
         return self.engine.generate(requests, sampling)
 
     def begin_weight_update(self, version: int) -> None:

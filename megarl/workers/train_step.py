@@ -8,6 +8,7 @@ metrics are summed the same way and divided once at the end (STYLE.md habit 9: r
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.data.batch import Batch
+from megarl.runtime import faults
 from megarl.workers.role_model import RoleModel
 from megarl.workers.schedule import gpt_output, run_schedule, schedule_shape, split_micro_batches
 
@@ -56,6 +58,11 @@ def train_step(
 
     payloads = run_schedule(model.chunks, micro_batches, step, forward_only=False)
     finalize_model_grads(model.chunks)  # DP all-reduce of the gradient buffers; tied-embedding sync across PP
+    if faults.hit(f"{os.environ.get('MEGARL_ROLE', 'role')}.grads"):
+        for chunk in model.chunks:
+            for param in chunk.parameters():
+                if getattr(param, "main_grad", None) is not None:
+                    param.main_grad.fill_(float("nan"))
     result = model.optimizer.step()
     metrics = _reduce_metrics(payloads)
     metrics.update(grad_norm=result.grad_norm, lr=result.lr, skipped=float(not result.updated))

@@ -1,0 +1,330 @@
+"""`run_plan(config) -> PlanReport`: will this job fit, where does each role go, how long is a weight sync.
+
+Nothing is started and no weights are read: the model comes from its config.json (model.path/config.json, a megarl
+checkpoint's hf/config.json, or plan.model_config).
+
+How roles share a GPU (megarl's colocated design, workers/role_model.py): the training roles and, colocated, the
+rollout engine take turns on the same GPUs. A trained role outside its turn is offloaded (parameters and optimizer
+states to host memory, gradient buffers freed); a frozen role (ref, a reward model during RL) keeps its parameters
+on the GPU; a released SGLang engine (memory saver) keeps little. So each role's peak is what it needs in its own
+turn plus what stays resident: every worker process' CUDA context and NCCL buffers, the frozen roles' parameters,
+the released engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from megarl.config.job import JobConfig, RoleConfig
+from megarl.errors import UserError
+from megarl.plan.memory import GB, RoleMemory, resolve_layout, role_memory
+from megarl.plan.model_size import (
+    ModelShape,
+    count_parameters,
+    hf_config_from_dict,
+    hf_numel,
+    load_config_json,
+    model_shape,
+)
+from megarl.plan.placement import Placement, layout_notes, place
+from megarl.plan.report import PlanReport, RoleReport, gb
+from megarl.plan.rollout import SGLANG_RUNTIME_GB, EngineMemory, engine_memory
+from megarl.plan.sync import estimate_sync
+from megarl.workers.config import OptimizerSettings
+
+PROCESS_GB = 1.0
+"""Per worker process on a GPU: CUDA context (~0.5 GB on H100) plus NCCL communicator buffers."""
+RELEASED_ENGINE_GB = 1.0
+"""What a released SGLang engine (memory saver) keeps besides its process: CUDA graph pool, allocator."""
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class PlannedRole:
+    name: str
+    settings: RoleConfig
+    optimizer: OptimizerSettings | None
+    head: str
+
+
+def run_plan(config: JobConfig, config_path: str = "") -> PlanReport:
+    """The plan of a job: per-role memory at peak, placement, weight sync estimate. `megarl train` calls it as its
+    pre-flight memory check (`report.fits`, `report.problems`)."""
+    roles = planned_roles(config)
+    shapes = {role.name: _shape_of(config, role) for role in roles}
+    gpus = config.plan.gpu_memory_gb * GB
+    rl = bool(config.rl_stages)
+    sglang = rl and config.rollout.backend == "sglang"
+    placement = place(
+        config.placement.mode,
+        config.placement.train_gpus,
+        config.placement.rollout_gpus,
+        config.rollout.gpus_per_engine,
+        config.cluster.num_nodes,
+        config.cluster.gpus_per_node,
+        [role.name for role in roles],
+        with_rollout=rl,
+    )
+    longest = _longest_sample(config)
+    memories: dict[str, RoleMemory] = {}
+    notes: list[str] = []
+    for role in roles:
+        shape, hf_config = shapes[role.name]
+        layout = resolve_layout(
+            role.settings.model, config.placement.train_gpus, f"{role.name}.model", shape, hf_config
+        )
+        memories[role.name] = role_memory(
+            role.name, shape, layout, role.settings.model, role.settings.micro_batch, role.optimizer, longest, role.head
+        )
+        notes += layout_notes(
+            role.name,
+            layout.tp,
+            layout.ep,
+            layout.etp,
+            layout.pp,
+            layout.world,
+            placement.gpus_per_node,
+            bool(shape.moe),
+        )
+        if role.optimizer and role.optimizer.offload_optimizer and not role.optimizer.use_distributed_optimizer:
+            notes.append(f"{role.name}.optim.offload_optimizer needs use_distributed_optimizer=true in Megatron")
+    engine = engine_memory(shapes["actor"][0], config.rollout.sglang, gpus) if sglang else None
+    colocated_engine = engine is not None and config.placement.mode == "colocated"
+    engine_keeps = 0.0
+    if colocated_engine:
+        engine_keeps = RELEASED_ENGINE_GB * GB
+        if not config.rollout.sglang.enable_memory_saver:
+            engine_keeps = engine.static_bytes
+            notes.append(
+                "rollout.sglang.enable_memory_saver=false: a colocated engine cannot release its weights and KV cache, "
+                "so they stay on the GPU while the training roles run"
+            )
+    processes = len(roles) + (1 if colocated_engine else 0)
+    frozen = [m for m in memories.values() if not m.trainable]
+    reports = [_role_report(memories[role.name], role, memories, processes, engine_keeps, gpus) for role in roles]
+    if engine is not None:
+        reports.append(_rollout_report(config, engine, frozen, processes, placement, longest, gpus))
+        if engine.mem_fraction_assumed:
+            notes.append(
+                "rollout.sglang.mem_fraction_static is null: planned with "
+                f"{engine.mem_fraction:.2f}; set it explicitly when colocated"
+            )
+    elif rl:
+        notes.append(f"rollout.backend={config.rollout.backend}: the engine runs on the CPU; its memory is not planned")
+    actor_shape = shapes["actor"][0] if "actor" in shapes else None
+    sync = None
+    if engine is not None and actor_shape is not None:
+        sync = estimate_sync(
+            actor_shape,
+            memories["actor"].layout,
+            placement,
+            config.plan.intra_node_gbps,
+            config.plan.inter_node_gbps,
+            config.rollout.bucket_bytes,
+            config.rollout.sglang.tp,
+        )
+    for role in roles:
+        notes += list(shapes[role.name][0].notes)
+    host = sum(m.host_bytes_when_offloaded() for m in memories.values()) * min(
+        config.placement.train_gpus, placement.gpus_per_node
+    )
+    return PlanReport(
+        config_path=config_path,
+        model=_describe_model(roles, shapes, config),
+        gpu_bytes=gpus,
+        placement=placement,
+        roles=reports,
+        sync=sync,
+        sync_bandwidths=(config.plan.intra_node_gbps, config.plan.inter_node_gbps),
+        host_bytes_per_node=host,
+        notes=notes,
+    )
+
+
+def plan_command(path: str | Path, overrides: Sequence[str] = ()) -> int:
+    """`megarl plan --config FILE [overrides]`: print the plan; 0 when everything fits, 1 when something does not.
+    Bad configs raise UserError (the CLI prints it and exits 2)."""
+    config, notes = load_for_planning(path, overrides)
+    report = run_plan(config, str(path))
+    report.notes += notes
+    print(report.render())
+    return 0 if report.fits else 1
+
+
+def load_for_planning(path: str | Path, overrides: Sequence[str] = ()) -> tuple[JobConfig, list[str]]:
+    """The job config, also where its data files exist only on the cluster (planning needs no data).
+
+    The data sections check that their files exist when the config is built; a plan made on a laptop must not
+    depend on that. Until the loader can skip that check, a missing-file error is answered by loading again with
+    the data-file check turned off, and a note says so.
+    """
+    from unittest import mock
+
+    from megarl.config.loader import load_config
+
+    try:
+        return load_config(JobConfig, path, overrides), []
+    except UserError as error:
+        if "_files[" not in str(error) or "does not exist" not in str(error):
+            raise
+        missing = str(error)
+    with mock.patch("megarl.data.config.check_data_files", lambda files, key: None):
+        config = load_config(JobConfig, path, overrides)
+    return config, [f"data files not on this machine, not needed to plan ({missing.split(': ', 1)[-1]})"]
+
+
+def planned_roles(config: JobConfig) -> list[PlannedRole]:
+    """The roles of the job's stages, with their optimizer when they train (None when frozen)."""
+    stages = config.run.stages
+    rl = bool(config.rl_stages)
+    roles: list[PlannedRole] = []
+    if rl or "sft" in stages:
+        roles.append(PlannedRole("actor", config.actor, config.actor.optim if rl else config.sft.optim, "lm"))
+    if config.needs_critic:
+        roles.append(PlannedRole("critic", config.critic, config.critic.optim, "value"))
+    if config.needs_ref:
+        roles.append(PlannedRole("ref", config.ref, None, "lm"))
+    if "rm" in stages:
+        roles.append(PlannedRole("reward_model", config.reward_model, config.rm.optim, "value"))
+    elif rl and config.reward_model.enabled:
+        roles.append(PlannedRole("reward_model", config.reward_model, None, "value"))
+    if not roles:
+        raise UserError(f"run.stages={stages} has no Megatron role to plan")
+    return roles
+
+
+def find_config_json(model_path: str, fallback: str | None, key: str) -> Path:
+    """model_path/config.json, a megarl checkpoint's hf/config.json, or `fallback` (plan.model_config; a relative
+    path is looked up from the working directory, then from the megarl repository, which ships configs/models)."""
+    if model_path:
+        base = Path(model_path).expanduser()
+        for candidate in (base / "config.json", base / "hf" / "config.json"):
+            if candidate.is_file():
+                return candidate
+    if fallback:
+        path = Path(fallback).expanduser()
+        for candidate in (path, REPO_ROOT / path):
+            if candidate.is_file():
+                return candidate
+        raise UserError(f"plan.model_config={fallback!r} is not a file (looked in {Path.cwd()} and {REPO_ROOT})")
+    raise UserError(
+        f"{key}={model_path!r} has no config.json (nor hf/config.json) on this machine; set plan.model_config to the "
+        "model's config.json to plan without the weights"
+    )
+
+
+def _shape_of(config: JobConfig, role: PlannedRole) -> tuple[ModelShape, object]:
+    path = find_config_json(role.settings.model.path, config.plan.model_config, f"{role.name}.model.path")
+    hf_config = hf_config_from_dict(load_config_json(path, f"{role.name}.model.path"))
+    backend = "local" if role.settings.model.spec_backend == "local" else "te"
+    return model_shape(hf_config, backend), hf_config
+
+
+def _longest_sample(config: JobConfig) -> int:
+    lengths = []
+    if config.rl_stages:
+        lengths.append((config.data.max_prompt_tokens or 0) + config.rollout.sampling.max_new_tokens)
+    if "sft" in config.run.stages:
+        lengths.append(config.sft.data.max_tokens)
+    if "rm" in config.run.stages:
+        lengths.append(config.rm.data.max_tokens)
+    return max(lengths or [0])
+
+
+def _role_report(
+    memory: RoleMemory,
+    role: PlannedRole,
+    memories: dict[str, RoleMemory],
+    processes: int,
+    engine_keeps: float,
+    gpus: float,
+) -> RoleReport:
+    m = memory
+    p = m.params
+    lines = [(f"parameters ({m.dtype}; {p.dense / 1e9:.2f} B dense + {p.expert / 1e9:.2f} B expert)", m.param_bytes)]
+    if not p.expert:
+        lines[0] = (f"parameters ({m.dtype}; {p.total / 1e9:.2f} B)", m.param_bytes)
+    if m.trainable:
+        lines.append(("gradients (fp32 main_grad buffers)", m.grad_bytes))
+        sharding = "sharded over DP" if m.distributed_optimizer else "not sharded"
+        if m.offload_optimizer:
+            lines.append((f"optimizer states (CPU offload: {gb(m.optimizer_host_bytes)} GB on host)", 0.0))
+        else:
+            lines.append((f"optimizer states (Adam fp32 master + m + v, {sharding})", m.optimizer_bytes))
+    mode = "recompute" if m.recompute else "no recompute"
+    tokens = (
+        f"{m.train_tokens} tokens/micro-batch, {m.forward_tokens} forward"
+        if m.trainable
+        else f"{m.forward_tokens} tokens forward"
+    )
+    lines.append((f"activations ({mode}; {tokens})" if m.trainable else f"activations ({tokens})", m.activation_bytes))
+    others = [o for name, o in memories.items() if name != m.role and not o.trainable]
+    resident = processes * PROCESS_GB * GB + engine_keeps + sum(o.param_bytes for o in others)
+    what = [f"{processes} processes"] + [f"{o.role} weights" for o in others]
+    if engine_keeps:
+        what.append("released engine")
+    lines.append((f"resident: {', '.join(what)}", resident))
+    stage = f"pipeline stage {m.stage} of {m.layout.pp}" if m.layout.pp > 1 else "one pipeline stage"
+    info = [f"({stage}; {'trained' if m.trainable else 'frozen'}; {m.layout.world} GPUs)"]
+    return RoleReport(role.name, m.layout.describe(bool(p.expert)), lines, gpus, info=info, detail=m)
+
+
+def _rollout_report(
+    config: JobConfig,
+    engine: EngineMemory,
+    frozen: list[RoleMemory],
+    processes: int,
+    placement: Placement,
+    longest: int,
+    gpus: float,
+) -> RoleReport:
+    sg = config.rollout.sglang
+    colocated = config.placement.mode == "colocated"
+    layout = f"{placement.num_engines} engine(s) x {engine.tp} GPUs: tp {engine.tp}"
+    if sg.enable_dp_attention:
+        layout += f" | dp-attention {engine.dp}"
+    layout += (
+        f" | ep {engine.ep}; weights {engine.weight_dtype_bytes * 8}-bit, KV cache {engine.kv_dtype_bytes * 8}-bit"
+    )
+    fraction = f"mem_fraction_static {engine.mem_fraction:.2f}{' (assumed)' if engine.mem_fraction_assumed else ''}"
+    lines = [
+        ("weights", engine.weight_bytes),
+        (f"KV cache ({fraction} x GPU - weights)", max(0.0, engine.kv_bytes)),
+        ("SGLang runtime (activations, CUDA graphs; outside the static pool)", SGLANG_RUNTIME_GB * GB),
+    ]
+    if colocated:
+        resident = processes * PROCESS_GB * GB + sum(m.param_bytes for m in frozen)
+        what = [f"{processes} processes"] + [f"{m.role} weights" for m in frozen]
+        lines.append((f"resident: {', '.join(what)}", resident))
+    else:
+        lines.append(("the engine's worker process", PROCESS_GB * GB))
+    per_engine = config.rl.prompts_per_step * config.rollout.sampling.n / max(1, placement.num_engines)
+    capacity = engine.token_capacity
+    info = [
+        f"KV cache: {engine.kv_bytes_per_token / 1024:.1f} KB per token per GPU; {capacity} tokens per engine = "
+        f"{capacity // max(1, longest)} samples of {longest} tokens at once (a step sends {per_engine:.0f} per engine)"
+    ]
+    problem = None
+    need = longest * engine.kv_bytes_per_token
+    if engine.kv_bytes < need:
+        problem = (
+            f"the KV cache has {gb(max(0.0, engine.kv_bytes))} GB per GPU, one sample of {longest} tokens needs "
+            f"{gb(need)} GB: short by {gb(need - engine.kv_bytes)} GB (raise rollout.sglang.mem_fraction_static, or "
+            "spread the engine over more GPUs)"
+        )
+    return RoleReport("rollout", layout, lines, gpus, info=info, extra_problem=problem, detail=engine)
+
+
+def _describe_model(roles: list[PlannedRole], shapes: dict, config: JobConfig) -> str:
+    name = roles[0].name
+    shape, _ = shapes[name]
+    dense, expert = hf_numel(shape)
+    params = count_parameters(shape, roles[0].settings.model.vocab_multiple)
+    source = config.plan.model_config or roles[0].settings.model.path
+    bits = shape.hf_dtype_bytes * 8
+    return (
+        f"{shape.architecture} ({source}): {params / 1e9:.1f} B parameters in Megatron, "
+        f"{gb((dense + expert) * shape.hf_dtype_bytes)} GB of {bits}-bit HF weights to sync"
+    )

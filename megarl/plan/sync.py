@@ -1,0 +1,98 @@
+"""How many bytes one weight sync (actor -> rollout engines) moves, and a bandwidth bound on how long it takes.
+
+What is sent: the actor's HF tensors (megarl/bridge export stream), B bytes in the checkpoint's dtype, MTP layers
+excluded. Senders: per pipeline stage, one rank of the TP group sends the stage's dense tensors (after gathering
+their TP shards) and each expert-parallel rank sends its own experts; data-parallel replicas send nothing. The
+busiest sender's share is max over stages of dense_stage + experts_stage / ep.
+
+Time, as sums and maxima of bytes / bandwidth (PlanConfig: intra-node per GPU, inter-node per GPU):
+- gather: the TP (and expert-TP) all-gather before sending, (tp - 1) / tp of the stage's dense bytes;
+- colocated (CUDA IPC to the engine on the same GPUs): an engine needs all B bytes; the part held on its own nodes
+  (its share of the training nodes, weights assumed spread evenly) moves inside the node, the rest enters through
+  the engine GPUs' network links; each engine GPU then reads its 1/tp slice over NVLink;
+- split (NCCL broadcast to every engine GPU): all B bytes enter each rollout node through its GPUs' links, and every
+  engine GPU receives whole tensors (B) from the node's fan-out;
+- in both, the busiest sender pushes its share once (a pipelined broadcast);
+- per bucket, a fixed cost (BUCKET_OVERHEAD_S): an engine applies updates one call at a time (the request,
+  rebuilding tensors, the model's load_weights), so B / bucket_bytes calls add up.
+Bandwidths are ideal (every GPU's link busy, no contention) and the pause / cache flush around the update is not
+counted: read the result as a lower bound; measured syncs are typically 1.5-3x slower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megarl.plan.memory import RoleLayout
+from megarl.plan.model_size import ModelShape, hf_numel, stage_layers
+from megarl.plan.placement import Placement
+
+BUCKET_OVERHEAD_S = 0.01
+"""Fixed cost of one bucket on the engine side (a guess: HTTP / IPC round trip plus SGLang's per-call work)."""
+
+
+@dataclass(frozen=True)
+class SyncEstimate:
+    total_bytes: float
+    num_senders: int
+    max_sender_bytes: float
+    num_buckets: int
+    """Buckets the busiest sender fills (rollout.bucket_bytes each)."""
+    transport: str
+    gather_s: float
+    transfer_s: float
+    overhead_s: float
+    """BUCKET_OVERHEAD_S x the buckets an engine applies."""
+
+    @property
+    def seconds(self) -> float:
+        return self.gather_s + self.transfer_s + self.overhead_s
+
+
+def estimate_sync(
+    shape: ModelShape,
+    layout: RoleLayout,
+    placement: Placement,
+    intra_gbps: float,
+    inter_gbps: float,
+    bucket_bytes: int,
+    engine_tp: int,
+) -> SyncEstimate:
+    nbytes = shape.hf_dtype_bytes
+    dense_total, expert_total = hf_numel(shape)
+    total = (dense_total + expert_total) * nbytes
+    extra = dense_total + expert_total - sum(hf_numel(shape, layers=range(shape.num_layers)))  # embedding, norm, head
+    shares, gathers = [], []
+    intra, inter = intra_gbps * 1e9, inter_gbps * 1e9
+    gpn = placement.gpus_per_node
+    for stage in range(layout.pp):
+        dense, expert = hf_numel(shape, layers=stage_layers(shape.num_layers, layout.pp, layout.vpp, stage))
+        dense += extra if layout.pp == 1 else (extra / 2 if stage in (0, layout.pp - 1) else 0)
+        shares.append((dense + expert / layout.ep) * nbytes)
+        tp_bw = intra if layout.tp <= gpn else inter
+        etp_bw = intra if layout.etp <= gpn else inter
+        gather = dense * nbytes * (layout.tp - 1) / layout.tp / tp_bw
+        gather += expert / layout.ep * nbytes * (layout.etp - 1) / layout.etp / etp_bw
+        gathers.append(gather)
+    max_share = max(shares)
+    if placement.mode == "colocated":
+        transport = "colocated: CUDA IPC into the engines on the same GPUs (update_weights_from_tensor)"
+        local_fraction = min(1.0, placement.engine_nodes / max(1, placement.train_nodes))
+        remote = total * (1 - local_fraction)
+        network = remote / (placement.gpus_per_engine * inter) if remote else 0.0
+        send = max_share / inter if placement.train_nodes > placement.engine_nodes else max_share / intra
+        transfer = max(network, send, total / engine_tp / intra)
+    else:
+        transport = "split: NCCL broadcast to every engine GPU (update_weights_from_distributed)"
+        ingress = total / (min(gpn, placement.gpus_per_engine) * inter)
+        transfer = max(ingress, max_share / inter, total / intra)
+    return SyncEstimate(
+        total_bytes=total,
+        num_senders=layout.pp * layout.ep,
+        max_sender_bytes=max_share,
+        num_buckets=int(-(-max_share // bucket_bytes)),
+        transport=transport,
+        gather_s=max(gathers),
+        transfer_s=transfer,
+        overhead_s=-(-total // bucket_bytes) * BUCKET_OVERHEAD_S,
+    )

@@ -1,0 +1,50 @@
+"""Fault injection for reliability tests: make a process die, or a value go bad, at a named point of a run.
+
+Off unless the environment variable MEGARL_FAULTS is set, so production code pays one dictionary lookup. Its value
+is a comma-separated list of `action:point[:count]`:
+
+    MEGARL_FAULTS="sigkill:checkpoint.roles_written:2"   the driver SIGKILLs itself the 2nd time it gets there
+    MEGARL_FAULTS="exit:rollout.generate:3"              a rollout worker process exits on its 3rd generate call
+    MEGARL_FAULTS="nan:actor.grads:2"                    the actor's 2nd optimizer step sees NaN gradients
+
+Actions: `sigkill` (SIGKILL this process: nothing is flushed or cleaned up), `exit` (os._exit(1)), `raise`
+(RuntimeError), `nan` (the point's caller makes its value non-finite). Points are named where `hit` is called.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+
+ENV = "MEGARL_FAULTS"
+_hits: Counter[str] = Counter()
+
+
+def _spec() -> dict[str, tuple[str, int]]:
+    faults: dict[str, tuple[str, int]] = {}
+    for item in filter(None, (part.strip() for part in os.environ.get(ENV, "").split(","))):
+        action, point, *count = item.split(":")
+        faults[point] = (action, int(count[0]) if count else 1)
+    return faults
+
+
+def hit(point: str) -> bool:
+    """Count a pass through `point`; act if a fault is set for this pass. Returns True for a `nan` fault (the
+    caller spoils its value), False otherwise."""
+    if ENV not in os.environ:
+        return False
+    fault = _spec().get(point)
+    if fault is None:
+        return False
+    _hits[point] += 1
+    action, count = fault
+    if _hits[point] != count:
+        return False
+    if action == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if action == "exit":
+        os._exit(1)
+    if action == "raise":
+        raise RuntimeError(f"fault injected at {point} (pass {count})")
+    return action == "nan"
