@@ -67,8 +67,11 @@ class WorkerGroup:
 
     `num_gpus_per_worker` below one lets groups share the pool's GPUs (colocation: 0.5 each for two roles); each
     worker also reserves that share of its bundle's CPUs unless `num_cpus_per_worker` says otherwise. `env` is
-    set in every worker process before `__init__(*init_args, **init_kwargs)` runs. Building the group starts the
-    workers and forms their process group; it raises `WorkerError` (and leaves nothing running) if that fails.
+    set in every worker process before `__init__(*init_args, **init_kwargs)` runs. `max_concurrency` is Ray's:
+    how many calls a worker runs at once, on threads of its own (None: the worker class's `max_concurrency`
+    attribute, else 1: one call at a time on the main thread); above 1 the worker must be thread-safe. Building
+    the group starts the workers and forms their process group; it raises `WorkerError` (and leaves nothing
+    running) if that fails.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class WorkerGroup:
         init_kwargs: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         timeouts: GroupTimeouts | None = None,
+        max_concurrency: int | None = None,
     ):
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
             raise TypeError(f"{role}: worker_cls must be a subclass of megarl.cluster.Worker, not {worker_cls!r}")
@@ -103,6 +107,11 @@ class WorkerGroup:
         self.init_kwargs = dict(init_kwargs or {})
         self.env = dict(env or {})
         self.timeouts = timeouts or GroupTimeouts()
+        if max_concurrency is None:
+            max_concurrency = getattr(worker_cls, "max_concurrency", 1)
+        self.max_concurrency = max_concurrency
+        if self.max_concurrency < 1:
+            raise ValueError(f"{role}: max_concurrency={self.max_concurrency} must be >= 1")
         self.workers: list = []
         """Ray handles in rank order, for direct calls (e.g. one group passing another's handles for weight sync)."""
         self.worker_info: list[WorkerInfo] = []
@@ -180,6 +189,8 @@ class WorkerGroup:
                 max_restarts=0,
                 max_task_retries=0,
             )
+            if self.max_concurrency > 1:  # threaded worker; 1 keeps Ray's default (calls on the main thread)
+                options["max_concurrency"] = self.max_concurrency
             workers.append(remote_cls.options(**options).remote(*self.init_args, **self.init_kwargs))
         return workers
 

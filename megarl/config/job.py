@@ -176,10 +176,10 @@ class JobConfig:
             raise UserError("sft.data.train_files is empty: the sft stage needs demonstration files")
         if "rm" in self.run.stages and not self.rm.data.train_files:
             raise UserError("rm.data.train_files is empty: the rm stage needs preference-pair files")
-        if self.rl.max_staleness > 0 and self.placement.mode != "split":
+        if self.rl.mode == "async" and self.placement.mode != "split":
             raise UserError(
-                f"rl.max_staleness={self.rl.max_staleness} (asynchronous RL) needs placement.mode=split: rollout and "
-                "training run at the same time on different GPUs"
+                "rl.mode=async (asynchronous RL) needs placement.mode=split: rollout and training run at the same "
+                "time on different GPUs"
             )
         if self.placement.mode == "split" and self.placement.rollout_gpus % self.rollout.gpus_per_engine:
             raise UserError(

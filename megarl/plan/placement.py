@@ -117,11 +117,12 @@ def _span(first: int, count: int) -> str:
 def _node_map(result: Placement, roles: list[str], with_rollout: bool) -> list[tuple[str, str]]:
     gpn = result.gpus_per_node
     train_nodes = result.train_nodes
-    training = f"{', '.join(roles)} ({result.train_gpus} GPUs, {min(result.train_gpus, gpn)} per node)"
+    training = f"{', '.join(roles)} ({result.train_gpus} GPU{'s' if result.train_gpus > 1 else ''}"
+    training += f", {min(result.train_gpus, gpn)} per node)"
     engines = ""
     if with_rollout and result.num_engines:
         engines = f"rollout ({result.num_engines} engine{'s' if result.num_engines > 1 else ''} x "
-        engines += f"{result.gpus_per_engine} GPUs)"
+        engines += f"{result.gpus_per_engine} GPU{'s' if result.gpus_per_engine > 1 else ''})"
     if result.mode == "colocated":
         what = training + (f"; {engines}, taking turns" if engines else "")
         return [(_span(0, train_nodes), what)]

@@ -53,10 +53,9 @@ def run_plan(config: JobConfig, config_path: str = "") -> PlanReport:
     """The plan of a job: per-role memory at peak, placement, weight sync estimate. `megarl train` calls it as its
     pre-flight memory check (`report.fits`, `report.problems`)."""
     roles = planned_roles(config)
-    shapes = {role.name: _shape_of(config, role) for role in roles}
+    shapes = _shapes(config, roles)
     gpus = config.plan.gpu_memory_gb * GB
     rl = bool(config.rl_stages)
-    sglang = rl and config.rollout.backend == "sglang"
     placement = place(
         config.placement.mode,
         config.placement.train_gpus,
@@ -68,56 +67,22 @@ def run_plan(config: JobConfig, config_path: str = "") -> PlanReport:
         with_rollout=rl,
     )
     longest = _longest_sample(config)
-    memories: dict[str, RoleMemory] = {}
-    notes: list[str] = []
-    for role in roles:
-        shape, hf_config = shapes[role.name]
-        layout = resolve_layout(
-            role.settings.model, config.placement.train_gpus, f"{role.name}.model", shape, hf_config
-        )
-        memories[role.name] = role_memory(
-            role.name, shape, layout, role.settings.model, role.settings.micro_batch, role.optimizer, longest, role.head
-        )
-        notes += layout_notes(
-            role.name,
-            layout.tp,
-            layout.ep,
-            layout.etp,
-            layout.pp,
-            layout.world,
-            placement.gpus_per_node,
-            bool(shape.moe),
-        )
-        if role.optimizer and role.optimizer.offload_optimizer and not role.optimizer.use_distributed_optimizer:
-            notes.append(f"{role.name}.optim.offload_optimizer needs use_distributed_optimizer=true in Megatron")
-    engine = engine_memory(shapes["actor"][0], config.rollout.sglang, gpus) if sglang else None
+    memories, notes = _role_memories(config, roles, shapes, placement, longest)
+    engine = None
+    if rl and config.rollout.backend == "sglang":
+        engine = engine_memory(shapes["actor"][0], config.rollout.sglang, gpus)
+    elif rl:
+        notes.append(f"rollout.backend={config.rollout.backend}: the engine runs on the CPU; its memory is not planned")
     colocated_engine = engine is not None and config.placement.mode == "colocated"
-    engine_keeps = 0.0
-    if colocated_engine:
-        engine_keeps = RELEASED_ENGINE_GB * GB
-        if not config.rollout.sglang.enable_memory_saver:
-            engine_keeps = engine.static_bytes
-            notes.append(
-                "rollout.sglang.enable_memory_saver=false: a colocated engine cannot release its weights and KV cache, "
-                "so they stay on the GPU while the training roles run"
-            )
+    engine_keeps = _released_engine_bytes(config, engine, notes) if colocated_engine else 0.0
     processes = len(roles) + (1 if colocated_engine else 0)
     frozen = [m for m in memories.values() if not m.trainable]
     reports = [_role_report(memories[role.name], role, memories, processes, engine_keeps, gpus) for role in roles]
+    sync = None
     if engine is not None:
         reports.append(_rollout_report(config, engine, frozen, processes, placement, longest, gpus))
-        if engine.mem_fraction_assumed:
-            notes.append(
-                "rollout.sglang.mem_fraction_static is null: planned with "
-                f"{engine.mem_fraction:.2f}; set it explicitly when colocated"
-            )
-    elif rl:
-        notes.append(f"rollout.backend={config.rollout.backend}: the engine runs on the CPU; its memory is not planned")
-    actor_shape = shapes["actor"][0] if "actor" in shapes else None
-    sync = None
-    if engine is not None and actor_shape is not None:
         sync = estimate_sync(
-            actor_shape,
+            shapes["actor"][0],
             memories["actor"].layout,
             placement,
             config.plan.intra_node_gbps,
@@ -125,21 +90,17 @@ def run_plan(config: JobConfig, config_path: str = "") -> PlanReport:
             config.rollout.bucket_bytes,
             config.rollout.sglang.tp,
         )
-    for role in roles:
-        notes += list(shapes[role.name][0].notes)
-    host = sum(m.host_bytes_when_offloaded() for m in memories.values()) * min(
-        config.placement.train_gpus, placement.gpus_per_node
-    )
+    host = sum(m.host_bytes_when_offloaded() for m in memories.values())
     return PlanReport(
         config_path=config_path,
-        model=_describe_model(roles, shapes, config),
+        model=_describe_model(roles, shapes),
         gpu_bytes=gpus,
         placement=placement,
         roles=reports,
         sync=sync,
         sync_bandwidths=(config.plan.intra_node_gbps, config.plan.inter_node_gbps),
-        host_bytes_per_node=host,
-        notes=notes,
+        host_bytes_per_node=host * min(config.placement.train_gpus, placement.gpus_per_node),
+        notes=notes + [note for shape, _, _ in shapes.values() for note in shape.notes],
     )
 
 
@@ -195,31 +156,74 @@ def planned_roles(config: JobConfig) -> list[PlannedRole]:
     return roles
 
 
-def find_config_json(model_path: str, fallback: str | None, key: str) -> Path:
-    """model_path/config.json, a megarl checkpoint's hf/config.json, or `fallback` (plan.model_config; a relative
-    path is looked up from the working directory, then from the megarl repository, which ships configs/models)."""
+def find_config_json(model_path: str, fallback: str | None, key: str, init_config: str | None = None) -> Path:
+    """model_path/config.json, a megarl checkpoint's hf/config.json, else `fallback` (plan.model_config), else
+    `init_config` (model.init.config: the model a run builds itself). A relative fallback is looked up from the
+    working directory, then from the megarl repository, which ships configs/models."""
     if model_path:
         base = Path(model_path).expanduser()
         for candidate in (base / "config.json", base / "hf" / "config.json"):
             if candidate.is_file():
                 return candidate
-    if fallback:
-        path = Path(fallback).expanduser()
+    for name, value in (("plan.model_config", fallback), ("model.init.config", init_config)):
+        if not value:
+            continue
+        path = Path(value).expanduser()
         for candidate in (path, REPO_ROOT / path):
             if candidate.is_file():
                 return candidate
-        raise UserError(f"plan.model_config={fallback!r} is not a file (looked in {Path.cwd()} and {REPO_ROOT})")
+        raise UserError(f"{name}={value!r} is not a file (looked in {Path.cwd()} and {REPO_ROOT})")
     raise UserError(
         f"{key}={model_path!r} has no config.json (nor hf/config.json) on this machine; set plan.model_config to the "
         "model's config.json to plan without the weights"
     )
 
 
-def _shape_of(config: JobConfig, role: PlannedRole) -> tuple[ModelShape, object]:
-    path = find_config_json(role.settings.model.path, config.plan.model_config, f"{role.name}.model.path")
-    hf_config = hf_config_from_dict(load_config_json(path, f"{role.name}.model.path"))
-    backend = "local" if role.settings.model.spec_backend == "local" else "te"
-    return model_shape(hf_config, backend), hf_config
+def _shapes(config: JobConfig, roles: list[PlannedRole]) -> dict[str, tuple[ModelShape, object, Path]]:
+    """Per role: (model shape, HF config, the config.json it came from); each file read once."""
+    cache: dict[tuple[Path, str], tuple[ModelShape, object, Path]] = {}
+    shapes = {}
+    for role in roles:
+        key = f"{role.name}.model.path"
+        init = config.model.init.config if config.model.init and role.settings.model.path == config.model.path else None
+        path = find_config_json(role.settings.model.path, config.plan.model_config, key, init)
+        backend = "local" if role.settings.model.spec_backend == "local" else "te"
+        if (path, backend) not in cache:
+            hf_config = hf_config_from_dict(load_config_json(path, key))
+            cache[path, backend] = (model_shape(hf_config, backend), hf_config, path)
+        shapes[role.name] = cache[path, backend]
+    return shapes
+
+
+def _role_memories(
+    config: JobConfig, roles: list[PlannedRole], shapes: dict, placement: Placement, longest: int
+) -> tuple[dict[str, RoleMemory], list[str]]:
+    memories: dict[str, RoleMemory] = {}
+    notes: list[str] = []
+    for role in roles:
+        shape, hf_config, _ = shapes[role.name]
+        settings = role.settings
+        layout = resolve_layout(settings.model, config.placement.train_gpus, f"{role.name}.model", shape, hf_config)
+        memories[role.name] = role_memory(
+            role.name, shape, layout, settings.model, settings.micro_batch, role.optimizer, longest, role.head
+        )
+        moe = bool(shape.moe)
+        gpn = placement.gpus_per_node
+        notes += layout_notes(role.name, layout.tp, layout.ep, layout.etp, layout.pp, layout.world, gpn, moe)
+        if role.optimizer and role.optimizer.offload_optimizer and not role.optimizer.use_distributed_optimizer:
+            notes.append(f"{role.name}.optim.offload_optimizer needs use_distributed_optimizer=true in Megatron")
+    return memories, notes
+
+
+def _released_engine_bytes(config: JobConfig, engine: EngineMemory, notes: list[str]) -> float:
+    """What a colocated engine keeps on the GPU while the training roles run."""
+    if config.rollout.sglang.enable_memory_saver:
+        return RELEASED_ENGINE_GB * GB
+    notes.append(
+        "rollout.sglang.enable_memory_saver=false: a colocated engine cannot release its weights and KV cache, so "
+        "they stay on the GPU while the training roles run"
+    )
+    return engine.static_bytes
 
 
 def _longest_sample(config: JobConfig) -> int:
@@ -252,7 +256,8 @@ def _role_report(
         if m.offload_optimizer:
             lines.append((f"optimizer states (CPU offload: {gb(m.optimizer_host_bytes)} GB on host)", 0.0))
         else:
-            lines.append((f"optimizer states (Adam fp32 master + m + v, {sharding})", m.optimizer_bytes))
+            states = "Adam fp32 master + m + v" if m.param_bytes < 4 * p.total else "Adam m + v"
+            lines.append((f"optimizer states ({states}, {sharding})", m.optimizer_bytes))
     mode = "recompute" if m.recompute else "no recompute"
     tokens = (
         f"{m.train_tokens} tokens/micro-batch, {m.forward_tokens} forward"
@@ -262,7 +267,7 @@ def _role_report(
     lines.append((f"activations ({mode}; {tokens})" if m.trainable else f"activations ({tokens})", m.activation_bytes))
     others = [o for name, o in memories.items() if name != m.role and not o.trainable]
     resident = processes * PROCESS_GB * GB + engine_keeps + sum(o.param_bytes for o in others)
-    what = [f"{processes} processes"] + [f"{o.role} weights" for o in others]
+    what = [_processes(processes)] + [f"{o.role} weights" for o in others]
     if engine_keeps:
         what.append("released engine")
     lines.append((f"resident: {', '.join(what)}", resident))
@@ -289,6 +294,9 @@ def _rollout_report(
         f" | ep {engine.ep}; weights {engine.weight_dtype_bytes * 8}-bit, KV cache {engine.kv_dtype_bytes * 8}-bit"
     )
     fraction = f"mem_fraction_static {engine.mem_fraction:.2f}{' (assumed)' if engine.mem_fraction_assumed else ''}"
+    notes = []
+    if engine.mem_fraction_assumed:
+        notes.append("mem_fraction_static is null: planned with SGLang's usual value; set it when colocated")
     lines = [
         ("weights", engine.weight_bytes),
         (f"KV cache ({fraction} x GPU - weights)", max(0.0, engine.kv_bytes)),
@@ -296,7 +304,7 @@ def _rollout_report(
     ]
     if colocated:
         resident = processes * PROCESS_GB * GB + sum(m.param_bytes for m in frozen)
-        what = [f"{processes} processes"] + [f"{m.role} weights" for m in frozen]
+        what = [_processes(processes)] + [f"{m.role} weights" for m in frozen]
         lines.append((f"resident: {', '.join(what)}", resident))
     else:
         lines.append(("the engine's worker process", PROCESS_GB * GB))
@@ -314,17 +322,18 @@ def _rollout_report(
             f"{gb(need)} GB: short by {gb(need - engine.kv_bytes)} GB (raise rollout.sglang.mem_fraction_static, or "
             "spread the engine over more GPUs)"
         )
-    return RoleReport("rollout", layout, lines, gpus, info=info, extra_problem=problem, detail=engine)
+    return RoleReport("rollout", layout, lines, gpus, info=info + notes, extra_problem=problem, detail=engine)
 
 
-def _describe_model(roles: list[PlannedRole], shapes: dict, config: JobConfig) -> str:
-    name = roles[0].name
-    shape, _ = shapes[name]
+def _processes(count: int) -> str:
+    return f"{count} worker process{'es' if count > 1 else ''}"
+
+
+def _describe_model(roles: list[PlannedRole], shapes: dict) -> str:
+    shape, _, path = shapes[roles[0].name]
     dense, expert = hf_numel(shape)
     params = count_parameters(shape, roles[0].settings.model.vocab_multiple)
-    source = config.plan.model_config or roles[0].settings.model.path
-    bits = shape.hf_dtype_bytes * 8
     return (
-        f"{shape.architecture} ({source}): {params / 1e9:.1f} B parameters in Megatron, "
-        f"{gb((dense + expert) * shape.hf_dtype_bytes)} GB of {bits}-bit HF weights to sync"
+        f"{shape.architecture} ({path}): {params / 1e9:.1f} B parameters in Megatron, "
+        f"{gb((dense + expert) * shape.hf_dtype_bytes)} GB of {shape.hf_dtype_bytes * 8}-bit HF weights to sync"
     )

@@ -96,7 +96,7 @@ class PlanReport:
         if self.sync is not None:
             out.append("")
             out += _render_sync(self.sync, *self.sync_bandwidths)
-        if self.host_bytes_per_node:
+        if self.host_bytes_per_node >= 0.1 * GB:
             out.append("")
             out.append(
                 f"host memory: about {gb(self.host_bytes_per_node)} GB per node for offloaded states "

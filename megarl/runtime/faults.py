@@ -9,6 +9,9 @@ is a comma-separated list of `action:point[:count]`:
 
 Actions: `sigkill` (SIGKILL this process: nothing is flushed or cleaned up), `exit` (os._exit(1)), `raise`
 (RuntimeError), `nan` (the point's caller makes its value non-finite). Points are named where `hit` is called.
+
+Counts are per process. With MEGARL_FAULTS_ONCE=DIR a fault fires once per DIR across processes and restarts (a
+marker file records it): a run that restarts its workers after the fault does not meet it again.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import signal
 from collections import Counter
 
 ENV = "MEGARL_FAULTS"
+ONCE_ENV = "MEGARL_FAULTS_ONCE"
 _hits: Counter[str] = Counter()
 
 
@@ -41,6 +45,15 @@ def hit(point: str) -> bool:
     action, count = fault
     if _hits[point] != count:
         return False
+    once = os.environ.get(ONCE_ENV)
+    if once:
+        marker = os.path.join(once, f"{action}-{point}")
+        try:
+            os.makedirs(once, exist_ok=True)
+            with open(marker, "x"):  # exclusive create: the first process to get here fires, no other
+                pass
+        except FileExistsError:
+            return False
     if action == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "exit":

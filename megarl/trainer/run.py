@@ -46,11 +46,12 @@ def train(config: JobConfig) -> int:
                 ctx, data = _start(config, run_dir, checkpoints, state, latest, stack)
                 return _run_stages(ctx, data)
         except WorkerError as err:
-            where = f"checkpoint {latest.name}" if latest else "the start"
+            newest = checkpoints.latest()
+            where = f"checkpoint {newest.name}" if newest else "the start (no checkpoint was written yet)"
             if attempt == config.run.max_restarts:
                 raise RunFailure(
                     f"{err}\nThe run stopped after {attempt} restart(s) (run.max_restarts={config.run.max_restarts}); "
-                    f"the last checkpoint is intact: rerun the same command to resume from {where}."
+                    f"checkpoints are intact: rerun the same command to resume from {where}."
                 ) from err
             log.warning("a worker failed (%s); restarting every role from %s", str(err).splitlines()[0], where)
     raise AssertionError("unreachable")
@@ -60,6 +61,7 @@ def _start(config: JobConfig, run_dir: Path, checkpoints, state: TrainerState, l
     from transformers import AutoTokenizer
 
     from megarl.checkpoint.model_io import hf_config_dir
+    from megarl.cluster.orphans import kill_leftover_processes, record_local_processes
     from megarl.cluster.ray_runtime import start_ray, stop_ray
     from megarl.rewards.runner import RewardRunner
     from megarl.trainer.metrics import build_logger
@@ -70,11 +72,16 @@ def _start(config: JobConfig, run_dir: Path, checkpoints, state: TrainerState, l
     tokenizer = AutoTokenizer.from_pretrained(hf_config_dir(config.model.path), local_files_only=True)
     data = build_stage_data(config, tokenizer, state)  # every dataset is read and checked before Ray starts
     rewards = stack.enter_context(RewardRunner(config.reward))
-    start_ray(local_cluster(config))
+    cluster = local_cluster(config)
+    if cluster.is_local:
+        kill_leftover_processes(run_dir)  # of an earlier driver of this run that was killed hard
+    start_ray(cluster)
     stack.callback(stop_ray)
     resume = _Resume(latest, state.stage_index) if latest else None
     roles = start_roles(config, rl_optimizer_steps(config), resume)
     stack.callback(roles.shutdown)
+    if cluster.is_local:
+        record_local_processes(run_dir)
     if latest is not None:
         _restore_roles(config, roles, latest, state)
     logger = stack.enter_context(build_logger(run_dir, config.logging, resume_step=state.global_step))

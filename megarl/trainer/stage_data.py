@@ -72,7 +72,12 @@ def run_stage(ctx: RunContext, data: StageData) -> None:
     else:
         _prepare_optimizer(ctx, config.actor.optim, config.rl.num_steps * config.rl.ppo_epochs * config.rl.mini_batches)
         _prepare_rl(ctx)
-        run_rl(ctx, data.prompt_sampler)
+        if config.rl.mode == "async":
+            from megarl.trainer.async_loop import run_async_rl
+
+            run_async_rl(ctx, data.prompt_sampler)
+        else:
+            run_rl(ctx, data.prompt_sampler)
 
 
 def _prepare_optimizer(ctx: RunContext, settings, total_steps: int) -> None:

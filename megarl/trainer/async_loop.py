@@ -1,0 +1,180 @@
+"""The asynchronous RL loop (rl.mode=async, placement.mode=split): the rollout engines generate the next batches
+while the actor trains on the current one, with staleness bounded by rl.max_staleness.
+
+The producer thread (rollout_producer.py) generates and scores into a bounded buffer (rollout_buffer.py, which
+holds the staleness rule); this loop, on the main thread, reads top to bottom like the synchronous one: take a batch
+-> log-probs -> advantages -> update -> sync (the producer pauses for it) -> end of step. The batch's
+`rollout_logprobs` reach the loss, so algorithm.off_policy corrects for the lag (tis / mis / decoupled).
+
+Checkpoints are taken at step boundaries and save the data position of the last consumed batch: batches the
+producer had drawn beyond it are drawn and generated again on resume.
+
+Metrics (per step): async/staleness_<s> (fraction of the batch's samples s versions old, s = 0..max_staleness),
+async/staleness_mean and _max, async/dropped (samples dropped as too stale), async/trainer_wait_s,
+async/rollout_idle_s and async/rollout_busy_s, async/queued (batches left in the buffer), async/interrupted (samples
+interrupted by weight syncs), async/generate_s and async/reward_s (of the consumed batch), async/is_weight_mean and
+_var (the off-policy weights of the batch's response tokens, or the plain ratio pi_old / pi_rollout without a
+correction). The loss reports actor/is_clipped (tis) and actor/is_masked (mis). Per-sample versions go to
+samples.jsonl as `async/versions`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import torch
+
+from megarl.algorithms.config import OffPolicyConfig
+from megarl.algorithms.losses import PolicyLoss, ValueLoss
+from megarl.algorithms.off_policy import off_policy_weights
+from megarl.data.batch import Batch
+from megarl.data.prompts import PromptSampler
+from megarl.rewards.runner import RewardRunner
+from megarl.trainer import rl_steps
+from megarl.trainer.context import RunContext
+from megarl.trainer.rollout_buffer import OLDEST_VERSION, RolloutBuffer, TakenBatch
+from megarl.trainer.rollout_producer import DynamicSampling, EngineGroup, RolloutProducer
+
+log = logging.getLogger("megarl")
+
+NEXT_BATCH = "async_next_batch"
+"""TrainerState.extra key: the number of the batch after the last consumed one (request seeds derive from it)."""
+
+
+class ConsumedPosition:
+    """The prompt sampler's position after the last batch the trainer consumed: what a checkpoint saves."""
+
+    def __init__(self, sampler: PromptSampler):
+        self.state = sampler.state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.state)
+
+
+def run_async_rl(ctx: RunContext, sampler: PromptSampler) -> None:
+    config, roles = ctx.config, ctx.roles
+    rl, algorithm, sampling = config.rl, config.algorithm, config.rollout.sampling
+    temperature = sampling.temperature or 1.0  # greedy rollouts: log-probs of the unscaled distribution
+    actor_loss = PolicyLoss(algorithm.policy_loss, algorithm.off_policy)
+    critic_loss = ValueLoss(algorithm.value_loss) if roles.critic is not None else None
+    position = ConsumedPosition(sampler)
+    samplers = {"prompts": position}
+    try:
+        with RewardRunner(config.reward) as rewards, _producer(ctx, sampler, rewards) as producer:
+            while ctx.state.step < rl.num_steps:
+                actor_version = ctx.state.weight_version
+                with ctx.phase("wait"):
+                    taken = producer.next_batch(actor_version)  # generated and scored by the producer thread
+                batch, metrics = taken.item.batch, dict(taken.item.metrics)
+                with ctx.phase("logprobs"):
+                    batch, logprob_metrics = rl_steps.add_logprobs(batch, roles, temperature)
+                    batch, advantage_metrics = rl_steps.add_advantages(batch, algorithm)
+                metrics.update(logprob_metrics | advantage_metrics | is_weight_metrics(batch, algorithm.off_policy))
+                with ctx.phase("update"):
+                    metrics.update(_update(ctx, batch, actor_loss, critic_loss, temperature))
+                with ctx.phase("sync"):
+                    metrics.update(producer.sync(ctx.sync_weights))  # generation paused only for the sync
+                metrics.update(staleness_metrics(taken, rl.max_staleness) | producer.take_times())
+                position.state = taken.item.data_state
+                ctx.state.extra[NEXT_BATCH] = taken.item.number + 1
+                _log_versions(ctx, taken, actor_version)
+                ctx.end_step(metrics, rl.num_steps, samplers, batch, rl.eval_every, taken.item.num_tokens)
+    finally:
+        sampler.load_state_dict(position.state)  # the stage-end checkpoint saves the consumed position too
+
+
+def _producer(ctx: RunContext, sampler: PromptSampler, rewards: RewardRunner) -> RolloutProducer:
+    config, rl = ctx.config, ctx.config.rl
+    algorithm, sampling = config.algorithm, config.rollout.sampling
+    reward_model = ctx.roles.reward_model
+
+    def score(batch: Batch) -> tuple[Batch, dict[str, float]]:
+        scores, metrics, _ = rl_steps.score_rollout(batch, rewards, reward_model)
+        return rl_steps.token_rewards(batch, scores, algorithm, sampling.max_new_tokens), metrics
+
+    buffer = RolloutBuffer(rl.max_staleness, rl.stale_policy, min_groups=rl.mini_batches)
+    first = ctx.state.global_step
+    if ctx.state.step > 0:  # resuming within the stage: batches dropped before the checkpoint used numbers too
+        first = max(first, int(ctx.state.extra.get(NEXT_BATCH, first)))
+    dapo = algorithm.dapo
+    return RolloutProducer(
+        EngineGroup(ctx.roles.rollout),
+        sampler,
+        score,
+        ctx.tokenizer,
+        sampling,
+        buffer,
+        run_seed=config.run.seed,
+        first_number=first,
+        max_batches=rl.num_steps - ctx.state.step if buffer.policy == "wait" else None,
+        partial_rollout=rl.partial_rollout,
+        dynamic_sampling=DynamicSampling(dapo.max_sampling_rounds, rl.prompts_per_step)
+        if dapo.dynamic_sampling
+        else None,
+    )
+
+
+def _update(ctx: RunContext, batch: Batch, actor_loss, critic_loss, temperature: float) -> dict[str, float]:
+    """rl.ppo_epochs passes over the batch in rl.mini_batches mini-batches (one optimizer step each), as the
+    synchronous loop does."""
+    rl, algorithm = ctx.config.rl, ctx.config.algorithm
+    norm_len = ctx.config.rollout.sampling.max_new_tokens
+    train_actor = ctx.state.step >= rl.critic_warmup_steps
+    updates = []
+    for _ in range(rl.ppo_epochs):
+        for mini in rl_steps.mini_batches(batch, rl.mini_batches):
+            metrics = {}
+            if critic_loss is not None:
+                metrics |= rl_steps.update_critic(mini, ctx.roles, critic_loss, algorithm, norm_len)
+            if train_actor:
+                metrics |= rl_steps.update_actor(mini, ctx.roles, actor_loss, algorithm, temperature, norm_len)
+            updates.append(metrics)
+    return rl_steps.average(updates)
+
+
+def staleness_metrics(taken: TakenBatch, max_staleness: int) -> dict[str, float]:
+    """Histogram (fractions) of the consumed samples' staleness, its mean and max, drops and the trainer's wait."""
+    staleness = taken.staleness
+    num = max(len(staleness), 1)
+    metrics = {f"async/staleness_{s}": sum(x == s for x in staleness) / num for s in range(max_staleness + 1)}
+    return metrics | {
+        "async/staleness_mean": sum(staleness) / num,
+        "async/staleness_max": float(max(staleness, default=0)),
+        "async/dropped": float(len(taken.dropped)),
+        "async/dropped_batches": float(taken.num_dropped_batches),
+        "async/trainer_wait_s": taken.wait_s,
+        "async/queued": float(taken.num_queued),
+    }
+
+
+def is_weight_metrics(batch: Batch, config: OffPolicyConfig) -> dict[str, float]:
+    """Mean and variance over response tokens of the off-policy weights the loss will apply (computed here from
+    old_logprobs and rollout_logprobs; without a correction, of the plain ratio pi_old / pi_rollout)."""
+    mask_BS = batch["response_mask"].bool()
+    old_BS, rollout_BS = batch["old_logprobs"], batch["rollout_logprobs"]
+    weights_BS = None
+    if config.mode != "none":
+        weights_BS, _ = off_policy_weights(old_BS, rollout_BS, mask_BS, config)
+    if weights_BS is None:
+        weights_BS = torch.exp((old_BS - rollout_BS).clamp(max=20.0))
+    weights = weights_BS[mask_BS].double()
+    if weights.numel() == 0:
+        return {}
+    return {
+        "async/is_weight_mean": weights.mean().item(),
+        "async/is_weight_var": weights.var(unbiased=False).item(),
+    }
+
+
+def _log_versions(ctx: RunContext, taken: TakenBatch, actor_version: int) -> None:
+    """Per-sample versions of the consumed batch, to samples.jsonl: what the staleness bound is checked on."""
+    record = {
+        "batch": taken.item.number,
+        "actor_version": actor_version,
+        "oldest_version": taken.item.batch.meta[OLDEST_VERSION],
+        "staleness": taken.staleness,
+        "dropped": taken.dropped,
+    }
+    ctx.logger.log_text(ctx.state.global_step + 1, "async/versions", json.dumps(record))

@@ -1,0 +1,77 @@
+"""What megarl promises when things go wrong, on real runs (`megarl train` subprocesses, local Ray, CPU):
+a killed driver loses at most the work since the last checkpoint and never the checkpoint; a dead worker makes the
+run restart from its last checkpoint (or stop with a clear message); non-finite gradients skip the update.
+
+Faults are injected with megarl.runtime.faults (MEGARL_FAULTS); the kill harness is tools/faults/kill_resume.py.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from job_helpers import REPO, megarl_train, metrics, write_config
+
+sys.path.insert(0, str(REPO / "tools" / "faults"))
+from kill_resume import KillPoint, check_checkpoints, compare, kill_and_resume, read_steps
+
+SMALL = ["rl.prompts_per_step=4", "checkpoint.every=2", "checkpoint.keep=3"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """A 6-step GRPO run at TP=1 that nothing interrupts: the numbers every resumed run must reproduce."""
+    work = tmp_path_factory.mktemp("kill")
+    config = write_config(work, "[grpo]", 6, tp=1)
+    megarl_train(config, f"run.dir={work / 'uninterrupted'}", *SMALL)
+    return config, work, read_steps(work / "uninterrupted")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "point",
+    [KillPoint("checkpoint.roles_written", 2), KillPoint("checkpoint.renamed", 1)],
+    ids=lambda p: p.describe(),
+)
+def test_a_driver_killed_mid_checkpoint_resumes_with_the_same_numbers(uninterrupted, point):
+    config, work, reference = uninterrupted
+    code, problems = kill_and_resume(config, work, point, reference, SMALL)
+    assert code == -9  # SIGKILL: nothing was flushed or cleaned up
+    assert not problems, problems
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_that_dies_mid_step_restarts_the_run_from_its_checkpoint(uninterrupted, tmp_path):
+    config, _, reference = uninterrupted
+    run_dir = tmp_path / "run"
+    faults = {"MEGARL_FAULTS": "exit:rollout.generate:4", "MEGARL_FAULTS_ONCE": str(tmp_path / "once")}
+    out = megarl_train(config, f"run.dir={run_dir}", *SMALL, env=faults)
+    assert "restarting every role" in out.stderr
+    assert not check_checkpoints(run_dir) and not compare(reference, read_steps(run_dir))
+
+
+@pytest.mark.slow
+def test_without_restarts_a_dead_training_worker_stops_the_run_with_a_clear_message(uninterrupted, tmp_path):
+    config, _, _ = uninterrupted
+    faults = {"MEGARL_FAULTS": "exit:actor.update:3"}
+    out = megarl_train(config, f"run.dir={tmp_path / 'run'}", *SMALL, "run.max_restarts=0", env=faults, check=False)
+    assert out.returncode == 1
+    message = out.stderr
+    assert "megarl: run failed" in message and "actor" in message and "died" in message
+    assert "rerun the same command to resume from checkpoint step_2" in message
+    assert "Traceback (most recent call last)" not in message.split("megarl: run failed")[0][-2000:]
+
+
+@pytest.mark.slow
+def test_non_finite_gradients_skip_the_update_and_stop_after_too_many(uninterrupted, tmp_path):
+    config, _, _ = uninterrupted
+    faults = {"MEGARL_FAULTS": "nan:actor.grads:2"}
+    out = megarl_train(config, f"run.dir={tmp_path / 'a'}", *SMALL, env=faults)
+    steps = metrics(tmp_path / "a")
+    assert [s["actor/skipped"] for s in steps] == [0, 1, 0, 0, 0, 0]
+    assert "step 2: non-finite loss or gradients in actor" in out.stdout + out.stderr
+    strict = megarl_train(
+        config, f"run.dir={tmp_path / 'b'}", *SMALL, "rl.max_consecutive_bad_steps=1", env=faults, check=False
+    )
+    assert strict.returncode == 1 and "non-finite loss or gradients" in strict.stderr
+    assert not check_checkpoints(tmp_path / "b")
