@@ -126,7 +126,8 @@ class RolloutProducer:
         # Idle time: waiting for its turn, for room in the buffer, for a weight sync to end.
         self._idle_total_s = 0.0  # ever (read by the producer thread only)
         self._idle_s = 0.0  # since take_times last answered
-        self._idle_since: float | None = None  # start of the wait in progress (or of its part not yet reported)
+        self._wait_start = 0.0  # start of the wait in progress
+        self._idle_since: float | None = None  # start of its part not yet reported (None: not waiting)
         self._reported_at = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="megarl-rollout-producer", daemon=True)
 
@@ -233,13 +234,13 @@ class RolloutProducer:
                 self._end_idle()
 
     def _begin_idle(self) -> None:
-        self._idle_since = time.perf_counter()
+        self._wait_start = self._idle_since = time.perf_counter()
 
     def _end_idle(self) -> None:
         now = time.perf_counter()
         assert self._idle_since is not None
         self._idle_s += now - self._idle_since
-        self._idle_total_s += now - self._idle_since  # a wait cut by take_times counts in full here
+        self._idle_total_s += now - self._wait_start
         self._idle_since = None
 
     def _produce(self, number: int) -> ScoredBatch:

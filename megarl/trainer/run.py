@@ -31,9 +31,13 @@ def train(config: JobConfig) -> int:
     preflight(config)
     run_dir = Path(config.run.dir)
     checkpoints = RunCheckpoints(run_dir, config.checkpoint.keep)
-    if checkpoints.latest() is not None and config.run.resume == "never":
+    latest = checkpoints.latest()
+    if latest is not None and config.run.resume == "never":
         raise UserError(f"{run_dir} already has checkpoints; use another run.dir, or run.resume=auto to continue")
+    if latest is not None:
+        TrainerState.load(latest)  # a damaged trainer state is reported before anything is written
     ensure_model(config.model.path, config.model.init)
+    tokenizer, data = _read_data(config)  # every row checked before the run folder or any process exists
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(config, run_dir / "config.yaml")
     for attempt in range(config.run.max_restarts + 1):
@@ -43,7 +47,7 @@ def train(config: JobConfig) -> int:
             log.warning("the config differs from the one that wrote %s; continuing with the new one", latest)
         try:
             with ExitStack() as stack:
-                ctx, data = _start(config, run_dir, checkpoints, state, latest, stack)
+                ctx = _start(config, run_dir, checkpoints, state, latest, stack, tokenizer, data)
                 return _run_stages(ctx, data)
         except WorkerError as err:
             newest = checkpoints.latest()
@@ -57,20 +61,34 @@ def train(config: JobConfig) -> int:
     raise AssertionError("unreachable")
 
 
-def _start(config: JobConfig, run_dir: Path, checkpoints, state: TrainerState, latest, stack: ExitStack):
+def _read_data(config: JobConfig):
     from transformers import AutoTokenizer
 
-    from megarl.checkpoint.model_io import hf_config_dir
+    from megarl.bridge.safetensors_io import HFCheckpoint
+    from megarl.checkpoint.model_io import hf_config_dir, is_megarl_checkpoint
+    from megarl.trainer.stage_data import build_stage_data
+
+    if not is_megarl_checkpoint(config.model.path):
+        HFCheckpoint(config.model.path)  # every safetensors header: a truncated or corrupted file is named now
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(hf_config_dir(config.model.path), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise UserError(f"model.path={config.model.path!r} has no usable tokenizer ({err})") from err
+    return tokenizer, build_stage_data(config, tokenizer)
+
+
+def _start(
+    config: JobConfig, run_dir: Path, checkpoints, state: TrainerState, latest, stack: ExitStack, tokenizer, data
+):
     from megarl.cluster.orphans import kill_leftover_processes, record_local_processes
     from megarl.cluster.ray_runtime import start_ray, stop_ray
     from megarl.rewards.runner import RewardRunner
     from megarl.trainer.metrics import build_logger
     from megarl.trainer.progress import RunProgress
     from megarl.trainer.roles import local_cluster, start_roles
-    from megarl.trainer.stage_data import build_stage_data, total_steps
+    from megarl.trainer.stage_data import restore_positions, total_steps
 
-    tokenizer = AutoTokenizer.from_pretrained(hf_config_dir(config.model.path), local_files_only=True)
-    data = build_stage_data(config, tokenizer, state)  # every dataset is read and checked before Ray starts
+    restore_positions(data, state)
     rewards = stack.enter_context(RewardRunner(config.reward))
     cluster = local_cluster(config)
     if cluster.is_local:
@@ -96,7 +114,7 @@ def _start(config: JobConfig, run_dir: Path, checkpoints, state: TrainerState, l
     ctx.eval_prompts = data.eval_prompts
     if config.logging.plots:
         stack.callback(_plot, run_dir)
-    return ctx, data
+    return ctx
 
 
 class _Resume:

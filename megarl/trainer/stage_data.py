@@ -30,7 +30,8 @@ class StageData:
         return {name: sampler for name, sampler in named.items() if sampler is not None}
 
 
-def build_stage_data(config: JobConfig, tokenizer, state: TrainerState) -> StageData:
+def build_stage_data(config: JobConfig, tokenizer) -> StageData:
+    """Read, render and check every dataset the stages use (a bad row fails here, before anything starts)."""
     data = StageData()
     if config.rl_stages:
         data.prompts = PromptDataset(config.data, tokenizer, "train", key="data")
@@ -43,10 +44,14 @@ def build_stage_data(config: JobConfig, tokenizer, state: TrainerState) -> Stage
     if "rm" in config.run.stages:
         data.pairs = PairDataset(config.rm.data, tokenizer, "train", key="rm.data")
         data.pair_sampler = data.pairs.sampler(config.rm.batch_size)
+    return data
+
+
+def restore_positions(data: StageData, state: TrainerState) -> None:
+    """Samplers continue where the checkpoint's run stopped."""
     for name, sampler in data.samplers().items():
         if name in state.data:
             sampler.load_state_dict(state.data[name])
-    return data
 
 
 def stage_steps(config: JobConfig, stage: str) -> int:

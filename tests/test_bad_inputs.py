@@ -1,0 +1,220 @@
+"""The catalogue of bad inputs: configs, datasets, checkpoints and command lines that must be refused, each with
+the message it must produce. Every case runs the real command line (in-process: all of these fail before Ray or
+any model starts), and must exit non-zero with one paragraph naming the offending key / file / row and what would
+be valid, print no traceback (`--debug` shows it), and write nothing (no run folder, no half-written output).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from megarl.cli import main
+
+
+@dataclass
+class Case:
+    name: str
+    args: list[str]
+    """Command line after `megarl`; {cfg} is the base job config, {dir} the case's folder."""
+    expect: list[str]
+    """Fragments the error message must contain."""
+    config: str = ""
+    """YAML of the case's job file, which extends the base config."""
+    files: dict[str, str] = field(default_factory=dict)
+    """Extra files to write in the case's folder (name -> content)."""
+    code: int = 2
+    prepare: str = ""
+    """A named preparation step (see `prepare`)."""
+
+
+BASE = """
+run: {{name: bad, dir: {dir}/run, stages: [grpo]}}
+model: {{path: {model}}}
+placement: {{train_gpus: 2}}
+actor: {{model: {{dtype: float32, parallel: {{tp: 2}}}}}}
+reward: {{fn: gsm8k, num_workers: 0}}
+data: {{train_files: [{dir}/prompts.jsonl]}}
+rl: {{num_steps: 2, prompts_per_step: 4}}
+"""
+
+TRAIN = ["train", "--config", "{cfg}"]
+
+CASES = [
+    # -- the command line and the config file --------------------------------------------------------------------
+    Case("config file missing", ["train", "--config", "{dir}/nope.yaml"], ["config file not found", "nope.yaml"]),
+    Case("yaml syntax", TRAIN, ["YAML syntax error", "job.yaml:"], config="rl: {num_steps: [1, 2\n"),
+    Case("unknown top-level key", TRAIN, ["rll is not a config key", "did you mean rl"], config="rll: {}\n"),
+    Case(
+        "unknown nested key",
+        TRAIN,
+        ["actor.optim.lrr", "did you mean actor.optim.lr"],
+        config="actor: {optim: {lrr: 1}}\n",
+    ),
+    Case("wrong type", TRAIN, ["rl.num_steps must be an integer", "'many'"], config="rl: {num_steps: many}\n"),
+    Case(
+        "literal outside choices",
+        TRAIN,
+        ["rollout.backend='vllm'", "valid: hf, sglang"],
+        config="rollout: {backend: vllm}\n",
+    ),
+    Case("override without =", [*TRAIN, "rl.num_steps"], ["'rl.num_steps' is not of the form key=value"]),
+    Case("unknown override key", [*TRAIN, "rl.nums_steps=3"], ["rl.nums_steps", "did you mean rl.num_steps"]),
+    Case("unknown stage", [*TRAIN, "run.stages=[rlhf]"], ["run.stages", "sft, grpo, ppo, rm"]),
+    Case("unknown estimator", [*TRAIN, "algorithm.advantage.estimator=grpoo"], ["grpoo", "did you mean 'grpo'"]),
+    Case("clip out of range", [*TRAIN, "algorithm.policy_loss.clip_low=1.5"], ["algorithm.policy_loss.clip_low"]),
+    Case("negative temperature", [*TRAIN, "rollout.sampling.temperature=-1"], ["rollout.sampling.temperature=-1.0"]),
+    Case("mini-batches", [*TRAIN, "rl.mini_batches=3"], ["rl.mini_batches=3", "rl.prompts_per_step=4"]),
+    Case("ppo without critic", [*TRAIN, "run.stages=[ppo]"], ["run.stages has ppo", "estimator=gae"]),
+    Case("grpo with gae", [*TRAIN, "algorithm.advantage.estimator=gae"], ["run.stages has grpo", "ppo stage"]),
+    Case("async colocated", [*TRAIN, "rl.max_staleness=1"], ["rl.max_staleness=1", "placement.mode=split"]),
+    Case("split without gpus", [*TRAIN, "placement.mode=split"], ["placement.mode=split", "rollout_gpus"]),
+    Case("reward module missing", [*TRAIN, "reward.fn=nope.mod:fn"], ["reward.fn", "nope.mod"]),
+    Case(
+        "reward attribute missing", [*TRAIN, "reward.fn={dir}/fn.py:nothere"], ["nothere"], files={"fn.py": "x = 1\n"}
+    ),
+    Case("wandb missing", [*TRAIN, "logging.wandb.enabled=true"], ["logging.wandb", "wandb"]),
+    # -- parallel layouts against the model ----------------------------------------------------------------------
+    Case(
+        "tp does not divide heads",
+        [*TRAIN, "actor.model.parallel.tp=3"],
+        ["actor.model.parallel.tp=3", "num_attention_heads=4", "valid: 1, 2"],
+    ),
+    Case(
+        "pp does not divide layers",
+        [*TRAIN, "actor.model.parallel.pp=3"],
+        ["actor.model.parallel.pp=3", "num_hidden_layers=4"],
+    ),
+    Case("ep on a dense model", [*TRAIN, "actor.model.parallel.ep=2"], ["actor.model.parallel.ep=2", "dense"]),
+    Case(
+        "gpus short of tp",
+        [*TRAIN, "placement.train_gpus=3"],
+        ["does not divide placement.train_gpus=3", "valid train_gpus: 2, 4"],
+    ),
+    # -- the model -----------------------------------------------------------------------------------------------
+    Case("model path missing", [*TRAIN, "model.path={dir}/nomodel"], ["model.path=", "nomodel", "does not exist"]),
+    Case(
+        "unsupported model type",
+        TRAIN,
+        ["model_type='gpt2' is not supported", "supported: deepseek_v3"],
+        prepare="gpt2",
+    ),
+    Case("truncated safetensors", TRAIN, ["model.safetensors", "truncated or corrupted"], prepare="truncate"),
+    # -- data ----------------------------------------------------------------------------------------------------
+    Case(
+        "data file missing",
+        [*TRAIN, "data.train_files=[{dir}/gone.jsonl]"],
+        ["data.train_files[0]", "gone.jsonl", "does not exist"],
+    ),
+    Case(
+        "data file type",
+        [*TRAIN, "data.train_files=[{dir}/p.csv]"],
+        ["p.csv", "unknown file type", ".jsonl, .json, .parquet"],
+        files={"p.csv": "a\n"},
+    ),
+    Case("invalid json row", TRAIN, ["prompts.jsonl:3", "JSON"], prepare="bad_json"),
+    Case("row missing prompt", TRAIN, ["prompts.jsonl:2", "'prompt'"], prepare="no_prompt"),
+    Case("prompt is a number", TRAIN, ["prompts.jsonl:1", "'prompt' is a number"], prepare="number_prompt"),
+    Case(
+        "all prompts too long",
+        [*TRAIN, "data.max_prompt_tokens=1"],
+        ["data.train_files: none of the 8 prompts", "data.max_prompt_tokens=1", "raise the limit"],
+    ),
+    # -- run folders and checkpoints -----------------------------------------------------------------------------
+    Case(
+        "resume never with checkpoints",
+        [*TRAIN, "run.resume=never"],
+        ["already has checkpoints", "run.resume=auto"],
+        prepare="checkpoint",
+    ),
+    Case(
+        "latest names a missing folder",
+        TRAIN,
+        ["latest names step_9", "not a complete checkpoint"],
+        prepare="dangling_latest",
+    ),
+    Case(
+        "unreadable trainer state", TRAIN, ["trainer_state.json is not a readable trainer state"], prepare="bad_state"
+    ),
+    # -- the other commands --------------------------------------------------------------------------------------
+    Case(
+        "convert to an existing folder",
+        ["convert", "--from", "hf", "--to", "mcore", "{model}", "{dir}"],
+        ["already exists", "--overwrite"],
+    ),
+    Case(
+        "convert at an impossible tp",
+        ["convert", "--from", "hf", "--to", "mcore", "{model}", "{dir}/out", "--tp", "3"],
+        ["--tp=3", "num_attention_heads=4"],
+    ),
+    Case("plot without metrics", ["plot", "{dir}"], ["has no metrics.jsonl", "not a megarl run folder"]),
+]
+
+
+def prepare(case: Case, folder: Path, model: Path) -> None:
+    """Make the case's broken model, data or run folder."""
+    prompts = folder / "prompts.jsonl"
+    rows = {
+        "bad_json": '{"prompt": "a", "label": "1"}\n{"prompt": "b", "label": "2"}\n{"prompt": "c", \n',
+        "no_prompt": '{"prompt": "a", "label": "1"}\n{"question": "b", "label": "2"}\n',
+        "number_prompt": '{"prompt": 42, "label": "1"}\n',
+    }
+    if case.prepare in rows:
+        prompts.write_text(rows[case.prepare])
+    if case.prepare in ("gpt2", "truncate"):
+        copy = folder / "model"
+        shutil.copytree(model, copy)
+        (folder / "base.yaml").write_text((folder / "base.yaml").read_text().replace(str(model), str(copy)))
+        if case.prepare == "gpt2":
+            config = json.loads((copy / "config.json").read_text())
+            (copy / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+        else:
+            data = (copy / "model.safetensors").read_bytes()
+            (copy / "model.safetensors").write_bytes(data[: len(data) // 2])
+    checkpoints = folder / "run" / "checkpoints"
+    if case.prepare in ("checkpoint", "bad_state"):
+        (checkpoints / "step_1").mkdir(parents=True)
+        state = "{not json" if case.prepare == "bad_state" else json.dumps({"step": 1, "global_step": 1})
+        (checkpoints / "step_1" / "trainer_state.json").write_text(state)
+        (checkpoints / "latest").write_text("step_1\n")
+    if case.prepare == "dangling_latest":
+        checkpoints.mkdir(parents=True)
+        (checkpoints / "latest").write_text("step_9\n")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_bad_input_is_refused_clearly(case: Case, tmp_path, hf_checkpoint, capsys):
+    model = hf_checkpoint("tiny-qwen3")
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(8))
+    )
+    (tmp_path / "base.yaml").write_text(BASE.format(dir=tmp_path, model=model))
+    (tmp_path / "job.yaml").write_text("extends: base.yaml\n" + case.config)
+    for name, content in case.files.items():
+        (tmp_path / name).write_text(content)
+    prepare(case, tmp_path, model)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    args = [a.format(cfg=tmp_path / "job.yaml", dir=tmp_path, model=model) for a in case.args]
+
+    code = main(args)
+
+    err = capsys.readouterr().err
+    assert code == case.code, err
+    assert any(line.startswith("megarl: error: ") for line in err.splitlines()), err
+    for fragment in case.expect:
+        assert fragment.format(dir=tmp_path) in err, f"{fragment!r} not in:\n{err}"
+    assert "Traceback" not in err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before, "something was written"
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(Exception, match="config file not found"):
+        main(["--debug", "train", "--config", str(tmp_path / "nope.yaml")])
+
+
+def test_the_catalogue_has_at_least_30_cases():
+    assert len(CASES) >= 30
