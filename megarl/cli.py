@@ -106,6 +106,24 @@ def _run_train(args: argparse.Namespace) -> int:
     return train(load_config(JobConfig, args.config, args.overrides))
 
 
+def _add_plan(commands) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="will this job fit? memory per GPU, placement and weight-sync time, without starting anything",
+        description="Print per role the parallel layout and the memory per GPU at its peak, where each role runs, "
+        "and an estimate of one weight sync; exit 1 when something does not fit, naming the role and by how much.",
+    )
+    plan.add_argument("--config", required=True, help="the job's YAML file")
+    plan.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    plan.set_defaults(run=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from megarl.plan import plan_command
+
+    return plan_command(args.config, args.overrides)
+
+
 def _add_plot(commands) -> None:
     plot = commands.add_parser("plot", help="write PNG plots of a run's metrics (run_dir/plots/)")
     plot.add_argument("run_dir", help="a run folder (holds metrics.jsonl)")
@@ -124,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train(commands)
     _add_convert(commands)
+    _add_plan(commands)
     _add_plot(commands)
     return parser
 

@@ -177,3 +177,24 @@ def test_run_plan_reports_per_role():
     assert report.fits and all(role.fits for role in report.roles)
     assert report.sync is not None and report.sync.num_senders == 128
     assert report.sync.total_bytes == pytest.approx(671.0264192e9 * 2, rel=1e-6)
+
+
+def test_colocated_roles_take_turns(tmp_path, monkeypatch):
+    """GRPO with a KL loss on Qwen2.5-7B, colocated: in the actor's turn the frozen ref keeps its weights on the GPU
+    (frozen roles are not offloaded), as do three worker processes (actor, ref, engine) and the released engine; in
+    the engine's turn the actor is offloaded: only the ref weights and the processes stay."""
+    from megarl.plan import run_plan
+    from megarl.plan.planner import PROCESS_GB, RELEASED_ENGINE_GB, load_for_planning
+
+    config, _ = load_for_planning(REPO / "configs" / "grpo_qwen2.5_7b_gsm8k.yaml")
+    report = run_plan(config)
+    ref_weights = 2 * stage_params(shape_of("qwen2.5-7b"), tp=2).total
+    actor = dict(report.role("actor").lines)
+    (resident,) = [value for label, value in actor.items() if label.startswith("resident")]
+    assert resident == 3 * PROCESS_GB * GB + RELEASED_ENGINE_GB * GB + ref_weights
+    rollout = report.role("rollout")
+    (resident,) = [value for label, value in rollout.lines if label.startswith("resident")]
+    assert resident == 3 * PROCESS_GB * GB + ref_weights
+    engine = rollout.detail
+    assert rollout.peak_bytes == engine.static_bytes + resident + 4.0 * GB  # static pool + SGLang's runtime
+    assert engine.static_bytes == 0.6 * 80 * GB

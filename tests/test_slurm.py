@@ -25,18 +25,39 @@ REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "tools" / "slurm" / "megarl.sbatch"
 DAEMONS = ("slurmctld", "slurmd", "munged")
 CLIENTS = ("sbatch", "srun", "scancel", "scontrol", "sinfo")
+SUBMITTED: list[str] = []
+"""Ids of the jobs this module submitted."""
+
+
+PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
+
+
+def _missing_tools() -> list[str]:
+    return [tool for tool in DAEMONS + CLIENTS if shutil.which(tool) is None]
+
+
+def _install_slurm() -> None:
+    """Install Debian's Slurm and munge (about 20 s) so that a fresh CI machine runs this test: nothing by hand."""
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(install, env=env, capture_output=True, timeout=600).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
+        subprocess.run(install, env=env, capture_output=True, timeout=600)
 
 
 def _why_no_slurm() -> str | None:
     if os.geteuid() != 0:
         return "starting slurmctld/slurmd/munged needs root"
-    missing = [tool for tool in DAEMONS + CLIENTS if shutil.which(tool) is None]
+    if _missing_tools() and shutil.which("apt-get"):
+        _install_slurm()
+    missing = _missing_tools()
     if missing:
-        return f"{', '.join(missing)} not installed (apt-get install -y slurmctld slurmd slurm-client munge)"
+        return f"{', '.join(missing)} not installed and apt-get could not install {' '.join(PACKAGES)}"
     return None
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_why_no_slurm() is not None, reason=str(_why_no_slurm()))]
+_NO_SLURM = _why_no_slurm()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_NO_SLURM is not None, reason=str(_NO_SLURM))]
 
 
 def _free_port() -> int:
@@ -193,9 +214,11 @@ def job_processes(job_id: str) -> list[str]:
     return found
 
 
-def run_job(slurm: SlurmCluster, tmp_path: Path, command: str, config: Path, *overrides: str) -> tuple[str, Path]:
+def run_job(
+    slurm: SlurmCluster, tmp_path: Path, command: str, config: Path, *overrides: str, **settings: str
+) -> tuple[str, Path]:
     """Submit the template from an unrelated folder: two tasks (two Ray nodes) on this machine, `command` as the
-    entry command (MEGARL_CMD). Returns (job id, job folder)."""
+    entry command (MEGARL_CMD), `settings` as further environment (MEGARL_*). Returns (job id, job folder)."""
     job_dir = tmp_path / "job"
     submit_dir = tmp_path / "elsewhere"
     submit_dir.mkdir()
@@ -204,7 +227,11 @@ def run_job(slurm: SlurmCluster, tmp_path: Path, command: str, config: Path, *ov
         "MEGARL_JOB_DIR": str(job_dir),
         "MEGARL_RAY_WAIT_S": "120",
         "MEGARL_RAY_START_ARGS": "--object-store-memory=100000000",
+        # other Ray clusters may run on this machine: ports of our own
+        "MEGARL_RAY_PORT": str(_free_port()),
+        "MEGARL_RAY_CLIENT_PORT": str(_free_port()),
         "RAY_ADDRESS": "",  # the test process' own Ray (if any) must not leak into the job
+        **settings,
     }
     out = slurm.run(
         "sbatch",
@@ -220,12 +247,22 @@ def run_job(slurm: SlurmCluster, tmp_path: Path, command: str, config: Path, *ov
         cwd=submit_dir,
         extra_env=env,  # sbatch passes its environment to the job
     )
-    return out.strip().split(";")[0], job_dir
+    job_id = out.strip().split(";")[0]
+    SUBMITTED.append(job_id)
+    return job_id, job_dir
 
 
 def wait_done(slurm: SlurmCluster, job_id: str, timeout_s: float) -> dict[str, str]:
     finished = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
     return _wait(lambda: (job := slurm.job(job_id)) and job.get("JobState") in finished and job, timeout_s, "the job")
+
+
+@pytest.fixture(autouse=True)
+def _remove_ray_session_folders():
+    """The template leaves Ray's logs in /tmp/ray-<job id> on each node (for post-mortems); remove our jobs' ones."""
+    yield
+    while SUBMITTED:
+        shutil.rmtree(f"/tmp/ray-{SUBMITTED.pop()}", ignore_errors=True)
 
 
 CHECK_CLUSTER = """
@@ -297,3 +334,25 @@ def test_scancel_shuts_ray_down_and_leaves_nothing(slurm, tmp_path):
     _wait(lambda: not job_processes(job_id), 60, "the job's processes to exit")
     log = (job_dir / "logs" / "sbatch.log").read_text()
     assert "received a termination signal" in log and "stopping Ray on every node" in log
+    assert "done (exit status 143)" in log  # it finished its shutdown before Slurm's SIGKILL
+
+
+def test_a_node_that_never_joins_is_named(slurm, tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text("run: {name: slurm-missing}\n")
+    marker = tmp_path / "entry-ran"
+    job_id, job_dir = run_job(
+        slurm,
+        tmp_path,
+        f"touch {marker}",
+        config,
+        MEGARL_SETUP="[[ ${SLURM_PROCID:-0} == 1 ]] && exit 3",  # the second Ray node fails before `ray start`
+        MEGARL_RAY_WAIT_S="20",
+    )
+    job = wait_done(slurm, job_id, 180)
+    log = (job_dir / "logs" / "sbatch.log").read_text()
+    assert job["JobState"] == "FAILED", log
+    host = socket.gethostname().split(".")[0]
+    assert f"Ray nodes missing after 20 s: {host} (1 of 2)" in log
+    assert not marker.exists()  # the entry command never ran
+    _wait(lambda: not job_processes(job_id), 60, "the job's processes to exit")

@@ -33,8 +33,10 @@ class ValueHead(torch.nn.Module):
         else:
             generator = torch.Generator().manual_seed(VALUE_HEAD_SEED)
             weight = torch.randn(1, hidden_size, generator=generator, device="cpu") * init_std
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        self.weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype))
+        if weight.device.type != "meta":
+            device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+            weight = weight.to(device=device)
+        self.weight = torch.nn.Parameter(weight.to(dtype=dtype))
         self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):

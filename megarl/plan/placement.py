@@ -1,10 +1,10 @@
 """Where the roles go: training GPUs, rollout engines, nodes; and which parallel groups cross nodes.
 
 Training roles (actor, critic, ref, reward model) are each a group of `placement.train_gpus` workers on the same
-GPUs, filling nodes in order (node 0 first). Colocated: the rollout engines take turns with them on those GPUs,
-train_gpus / gpus_per_engine engines. Split: the engines get `placement.rollout_gpus` GPUs of their own, on the
-nodes after the training ones. An engine wider than a node is a multi-node SGLang server and must cover whole
-nodes; a narrower one must not straddle two.
+GPUs, filling nodes in order (GPU 0 of node 0 first). Colocated: the rollout engines take turns with them on those
+GPUs, train_gpus / gpus_per_engine engines. Split: the engines get `placement.rollout_gpus` GPUs of their own, the
+ones after the training GPUs (on the same node when it has room). An engine wider than a node is a multi-node
+SGLang server and must cover whole nodes; a narrower one must not straddle two.
 """
 
 from __future__ import annotations
@@ -35,9 +35,25 @@ class Placement:
         return -(-self.train_gpus // self.gpus_per_node)
 
     @property
+    def rollout_first_gpu(self) -> int:
+        """Index of the engines' first GPU over the cluster (colocated: 0, the training GPUs)."""
+        return 0 if self.mode == "colocated" else self.train_gpus
+
+    @property
+    def rollout_node_ids(self) -> range:
+        """Nodes holding rollout engines."""
+        first = self.rollout_first_gpu // self.gpus_per_node
+        last = (self.rollout_first_gpu + max(1, self.rollout_gpus) - 1) // self.gpus_per_node
+        return range(first, last + 1)
+
+    @property
     def rollout_nodes(self) -> int:
-        """Nodes holding rollout engines (colocated: the training nodes)."""
-        return -(-self.rollout_gpus // self.gpus_per_node)
+        return len(self.rollout_node_ids)
+
+    @property
+    def single_node(self) -> bool:
+        """Training and rollout all on one node (weight syncs stay inside it)."""
+        return self.train_nodes <= 1 and self.rollout_node_ids.stop <= 1
 
     @property
     def engine_nodes(self) -> int:
@@ -128,7 +144,7 @@ def _node_map(result: Placement, roles: list[str], with_rollout: bool) -> list[t
         return [(_span(0, train_nodes), what)]
     rows = [(_span(0, train_nodes), training)]
     if engines:
-        rows.append((_span(train_nodes, result.rollout_nodes), engines))
+        rows.append((_span(result.rollout_node_ids.start, result.rollout_nodes), engines))
     return rows
 
 

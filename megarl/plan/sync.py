@@ -10,8 +10,8 @@ Time, as sums and maxima of bytes / bandwidth (PlanConfig: intra-node per GPU, i
 - colocated (CUDA IPC to the engine on the same GPUs): an engine needs all B bytes; the part held on its own nodes
   (its share of the training nodes, weights assumed spread evenly) moves inside the node, the rest enters through
   the engine GPUs' network links; each engine GPU then reads its 1/tp slice over NVLink;
-- split (NCCL broadcast to every engine GPU): all B bytes enter each rollout node through its GPUs' links, and every
-  engine GPU receives whole tensors (B) from the node's fan-out;
+- split (NCCL broadcast to every engine GPU): all B bytes enter each rollout node through its GPUs' links (NVLink
+  when training and rollout share one node), and every engine GPU receives whole tensors (B) from the node's fan-out;
 - in both, the busiest sender pushes its share once (a pipelined broadcast);
 - per bucket, a fixed cost (BUCKET_OVERHEAD_S): an engine applies updates one call at a time (the request,
   rebuilding tensors, the model's load_weights), so B / bucket_bytes calls add up.
@@ -84,8 +84,9 @@ def estimate_sync(
         transfer = max(network, send, total / engine_tp / intra)
     else:
         transport = "split: NCCL broadcast to every engine GPU (update_weights_from_distributed)"
-        ingress = total / (min(gpn, placement.gpus_per_engine) * inter)
-        transfer = max(ingress, max_share / inter, total / intra)
+        link = intra if placement.single_node else inter
+        ingress = total / (min(gpn, placement.gpus_per_engine) * link)
+        transfer = max(ingress, max_share / link, total / intra)
     return SyncEstimate(
         total_bytes=total,
         num_senders=layout.pp * layout.ep,

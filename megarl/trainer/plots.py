@@ -49,7 +49,14 @@ class PlotGroup:
 
 
 PLOT_GROUPS = (
-    PlotGroup("reward", "Reward and accuracy", "reward / accuracy", (r"^reward/", r"^eval/(.+/)?(accuracy|reward)")),
+    PlotGroup(
+        "reward",
+        "Reward and accuracy",
+        "reward / accuracy",
+        (r"^eval/(.+/)?accuracy$", r"^reward/(mean|acc)$", r"^reward/"),
+        (r"^reward/(num_|fraction_)", r"^reward/std$"),  # counters have a figure of their own; std is a band
+    ),
+    PlotGroup("reward_failures", "Reward failures", "samples", (r"^reward/(num_|fraction_)",), smooth=False),
     PlotGroup("kl", "KL divergence", "KL", (r"^kl/", r"(^|/)([a-z]+_)*kl(_[a-z]+)*$"), (r"^mismatch/",)),
     PlotGroup("entropy", "Policy entropy", "entropy (nats / token)", (r"(^|/)[^/]*entropy[^/]*$",)),
     PlotGroup("response_length", "Response length", "tokens", (r"^(response|prompt)_length/(mean|min|max|std)$",)),

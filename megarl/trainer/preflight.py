@@ -81,8 +81,26 @@ def preflight(config: JobConfig) -> None:
                 f"rm.batch_size={config.rm.batch_size} must be a multiple of the reward model's data-parallel size "
                 f"{dp} (each rank trains on whole pairs)"
             )
+    _check_memory(config)
     if config.placement.mode == "colocated" and gpus % config.rollout.gpus_per_engine:
         raise UserError(
             f"placement.train_gpus={gpus} is not a multiple of rollout.gpus_per_engine="
             f"{config.rollout.gpus_per_engine}: colocated engines share the training GPUs"
+        )
+
+
+def _check_memory(config: JobConfig) -> None:
+    """The planner's verdict (megarl plan) for GPU runs: refuse a job that will not fit before any GPU is taken.
+    CPU runs (the hf engine without CUDA) have no GPU memory to plan."""
+    import torch
+
+    if not config.plan.check_memory or not (torch.cuda.is_available() or config.rollout.backend == "sglang"):
+        return
+    from megarl.plan import run_plan
+
+    report = run_plan(config)
+    if not report.fits:
+        raise UserError(
+            "megarl plan says this job does not fit (set plan.check_memory=false to start anyway):\n  "
+            + "\n  ".join(report.problems)
         )

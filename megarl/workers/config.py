@@ -79,6 +79,11 @@ class OptimizerSettings:
                 raise UserError(f"{key}.{name}={getattr(self, name)} must be in [0, 1)")
         if self.clip_grad < 0:
             raise UserError(f"{key}.clip_grad={self.clip_grad} must be >= 0 (0 = no clipping)")
+        if self.offload_optimizer and not self.use_distributed_optimizer:
+            raise UserError(
+                f"{key}.offload_optimizer=true needs {key}.use_distributed_optimizer=true (Megatron offloads the "
+                "distributed optimizer's shards)"
+            )
 
 
 @dataclass

@@ -231,7 +231,12 @@ class MegatronRoleOptimizer(RoleOptimizer):
                 fp16=config.fp16,
                 params_dtype=config.params_dtype,
                 use_distributed_optimizer=settings.use_distributed_optimizer,
+                # Megatron moves nothing unless told what fraction to offload, and keeps fp32 masters on the GPU
+                # unless the optimizer is precision-aware.
                 optimizer_cpu_offload=settings.offload_optimizer,
+                optimizer_offload_fraction=1.0 if settings.offload_optimizer else 0.0,
+                use_precision_aware_optimizer=settings.offload_optimizer,
+                overlap_cpu_optimizer_d2h_h2d=settings.offload_optimizer,
             ),
             chunks,
         )

@@ -1,0 +1,43 @@
+"""The examples work as their docstrings say: the custom reward scores through the reward runner, the custom dataset
+loads through the job config."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+
+
+def test_custom_reward_through_the_runner():
+    from megarl.rewards import RewardConfig, RewardRunner, RewardSample
+
+    config = RewardConfig(
+        fn=str(REPO / "examples/custom_reward.py") + ":score", kwargs={"work_bonus": 0.5}, num_workers=0
+    )
+    config.check("reward")
+    samples = [
+        RewardSample("12*7=", "12*7=84 <answer>84</answer>", "84"),
+        RewardSample("12*7=", "<answer>85</answer>", "84"),
+        RewardSample("12*7=", "84", "84"),
+    ]
+    with RewardRunner(config) as runner:
+        result = runner.score(samples)
+    assert result.scores == [1.5, 0.0, 0.0]
+    assert result.metrics["acc"] == 1 / 3 and result.metrics["format_ok"] == 2 / 3
+
+
+def test_custom_dataset_loads_through_the_job_config(tmp_path):
+    from custom_dataset import overrides, write_dataset
+
+    from megarl.config import load_config
+    from megarl.config.job import JobConfig
+    from megarl.data.prompts import PromptDataset
+    from megarl.testing.tokenizer import build_char_tokenizer
+
+    path = write_dataset(tmp_path)
+    config = load_config(JobConfig, REPO / "configs/quickstart.yaml", overrides(path))
+    dataset = PromptDataset(config.data, build_char_tokenizer(), "train")
+    sample = dataset.samples[0]
+    assert sample.text == "Q: What is 2 * 3? A:" and sample.label == "6" and sample.meta == {"problem.source": "drill"}
