@@ -12,10 +12,17 @@ import pytest
 from job_helpers import interrupt_after, megarl_train, metrics, write_config
 
 
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    """An uninterrupted 8-step GRPO run: checked by itself, and the reference an interrupted run must reproduce."""
+    folder = tmp_path_factory.mktemp("grpo")
+    megarl_train(write_config(folder, "[grpo]", 8))
+    return folder / "run"
+
+
 @pytest.mark.slow
-def test_grpo_raises_the_reward_and_writes_the_run_folder(tmp_path):
-    megarl_train(write_config(tmp_path, "[grpo]", 8))
-    run = tmp_path / "run"
+def test_grpo_raises_the_reward_and_writes_the_run_folder(grpo_run):
+    run = grpo_run
     steps = metrics(run)
     assert len(steps) == 8
     first, last = steps[0]["reward/mean"], sum(s["reward/mean"] for s in steps[-2:]) / 2
@@ -40,18 +47,15 @@ def test_ppo_trains_a_critic(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_saves_and_a_rerun_resumes_with_the_same_numbers(tmp_path):
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    straight.mkdir(), split.mkdir()
-    megarl_train(write_config(straight, "[grpo]", 5))
-    config = write_config(split, "[grpo]", 5)
-    assert interrupt_after(config, split / "run", step=2) == 130  # finishes its step, saves, stops
-    assert (split / "run/checkpoints/latest").is_file()
+def test_ctrl_c_saves_and_a_rerun_resumes_with_the_same_numbers(grpo_run, tmp_path):
+    config = write_config(tmp_path, "[grpo]", 8)
+    assert interrupt_after(config, tmp_path / "run", step=2) == 130  # finishes its step, saves, stops
+    assert (tmp_path / "run/checkpoints/latest").is_file()
     megarl_train(config)  # the same command again resumes
-    a, b = metrics(straight / "run"), metrics(split / "run")
-    assert [s["step"] for s in b] == [1, 2, 3, 4, 5]
+    a, b = metrics(grpo_run), metrics(tmp_path / "run")
+    assert [s["step"] for s in b] == list(range(1, 9))
     for x, y in zip(a, b):
         assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-6)
         assert x["actor/loss"] == pytest.approx(y["actor/loss"], abs=1e-5)
-    state = json.loads((split / "run/checkpoints/step_5/trainer_state.json").read_text())
-    assert state["data"]["prompts"]["position"] == 40 and state["weight_version"] == 6
+    state = json.loads((tmp_path / "run/checkpoints/step_8/trainer_state.json").read_text())
+    assert state["data"]["prompts"]["position"] == 64 and state["weight_version"] == 9
