@@ -1,14 +1,16 @@
-"""The quickstart's synthetic task: deterministic, train/eval disjoint, worked solutions correct, labels numeric."""
+"""The quickstart's synthetic task: worked solutions by hand, deterministic files, train/eval disjoint, the imperfect
+demonstrations as documented, and the committed files in examples/quickstart/ equal to what the generator writes."""
 
 from __future__ import annotations
 
 import json
-import re
+import random
 
 import pytest
 
 from megarl.data.synthetic import (
-    ChainArithmetic,
+    QUICKSTART_DIR,
+    AdditionTask,
     Problem,
     make_problems,
     parse_answer,
@@ -17,108 +19,77 @@ from megarl.data.synthetic import (
 )
 from megarl.errors import UserError
 
-STEP = re.compile(r"^(\d+)([+-])(\d+)=(\d+)$")
-
 
 def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def check_worked(prompt: str, response: str) -> int:
-    """Recompute a worked response from its prompt alone; return the answer. Independent of the generator."""
-    assert prompt.endswith("=")
-    tokens = re.findall(r"\d+|[+-]", prompt[:-1])
-    operands, ops = [int(t) for t in tokens[0::2]], tokens[1::2]
-    assert "".join(str(o) + p for o, p in zip(operands, [*ops, ""])) == prompt[:-1]
-    work, answer_line = response.split("\n")
-    steps = work.split(" ")
-    assert len(steps) == len(ops)
-    value = operands[0]
-    for step, op, operand in zip(steps, ops, operands[1:]):
-        left, step_op, right, result = STEP.match(step).groups()
-        expected = value + operand if op == "+" else value - operand
-        assert (int(left), step_op, int(right), int(result)) == (value, op, operand, expected)
-        assert expected >= 0
-        value = expected
-    assert answer_line == f"#### {value}"
-    return value
-
-
-def test_problem_format_by_hand():
-    problem = Problem((8, 5, 9, 7), ("+", "-", "+"))
-    assert problem.prompt == "8+5-9+7="
-    assert problem.response == "8+5=13 13-9=4 4+7=11\n#### 11"
-    assert problem.answer == 11
-
-
-def test_deterministic_by_seed(tmp_path):
-    task = ChainArithmetic()
-    assert make_problems(task, "train", 300, seed=3) == make_problems(task, "train", 300, seed=3)
-    assert make_problems(task, "train", 300, seed=3) != make_problems(task, "train", 300, seed=4)
-    first = write_quickstart_data(tmp_path / "a", num_sft=200, num_rl=200, num_eval=100, seed=7)
-    second = write_quickstart_data(tmp_path / "b", num_sft=200, num_rl=200, num_eval=100, seed=7)
-    for name in ("sft", "rl", "eval"):
-        assert first[name].read_bytes() == second[name].read_bytes()
-
-
-def test_pinned_first_problems():
-    """Guards against silent changes in the stream (hash or RNG use): the quickstart's numbers depend on it."""
-    prompts = [p.prompt for p in make_problems(ChainArithmetic(), "eval", 3, seed=1000, unique=True)]
-    assert prompts == PINNED_EVAL_PROMPTS
-
-
-PINNED_EVAL_PROMPTS: list[str] = []
-
-
-def test_train_and_eval_disjoint(tmp_path):
-    paths = write_quickstart_data(tmp_path, num_sft=3000, num_rl=3000, num_eval=256, seed=0)
-    rows = {name: read_jsonl(path) for name, path in paths.items()}
-    train_prompts = {r["prompt"] for r in rows["sft"]} | {r["prompt"] for r in rows["rl"]}
-    eval_prompts = [r["prompt"] for r in rows["eval"]]
-    assert len(eval_prompts) == len(set(eval_prompts)) == 256
-    assert not train_prompts & set(eval_prompts)
-    # by construction, not by luck: the split is a function of the prompt alone
-    num_buckets = ChainArithmetic().num_buckets
-    assert all(split_of(p, num_buckets) == "train" for p in train_prompts)
-    assert all(split_of(p, num_buckets) == "eval" for p in eval_prompts)
-
-
 @pytest.mark.parametrize(
-    "task",
-    [ChainArithmetic(), ChainArithmetic(num_operands=2, min_operand=0, max_operand=99), ChainArithmetic(ops="-")],
+    "a, b, response, forgotten",
+    [
+        (47, 38, "7+8=15 4+3+1=8\n#### 85", "7+8=15 4+3=7\n#### 75"),
+        (12, 34, "2+4=6 1+3=4\n#### 46", "2+4=6 1+3=4\n#### 46"),
+        (99, 99, "9+9=18 9+9+1=19\n#### 198", "9+9=18 9+9=18\n#### 188"),
+        (5, 7, "5+7=12\n#### 12", "5+7=12\n#### 12"),
+        (905, 95, "5+5=10 0+9+1=10 9+0+1=10\n#### 1000", "5+5=10 0+9=9 9+0=9\n#### 990"),
+    ],
 )
-def test_worked_solutions_correct_and_labels_numeric(tmp_path, task):
-    paths = write_quickstart_data(tmp_path, task=task, num_sft=2000, num_rl=500, num_eval=200, seed=1)
-    for row in read_jsonl(paths["sft"]):
-        answer = check_worked(row["prompt"], row["response"])
-        assert row["label"] == str(answer) == parse_answer(row["response"])
-        assert len(row["prompt"]) <= 4 * task.num_operands and len(row["response"]) <= 12 * task.num_operands
-    for name in ("rl", "eval"):
-        for row in read_jsonl(paths[name]):
-            assert set(row) == {"prompt", "label"}
-            assert int(row["label"]) >= 0 and row["label"] == str(int(row["label"]))
+def test_worked_solutions_by_hand(a, b, response, forgotten):
+    problem = Problem(a, b)
+    assert problem.response() == response and parse_answer(response) == str(a + b)
+    assert problem.response(forget_carry=True) == forgotten
+    assert problem.has_carry == (forgotten != response)
 
 
-def test_eval_labels_match_prompts(tmp_path):
-    """Eval and RL labels are the prompt's true value (checked by evaluating the expression independently)."""
-    paths = write_quickstart_data(tmp_path, num_sft=10, num_rl=300, num_eval=200, seed=2)
-    for name in ("rl", "eval"):
-        for row in read_jsonl(paths[name]):
-            assert int(row["label"]) == eval(row["prompt"][:-1])  # digits and +/- only
+def test_files_deterministic_and_streams_independent(tmp_path):
+    first = write_quickstart_data(tmp_path / "a", num_sft=200, num_rl=200, num_eval=100, seed=7)
+    second = write_quickstart_data(tmp_path / "b", num_sft=200, num_rl=50, num_eval=100, seed=7)
+    other_seed = write_quickstart_data(tmp_path / "c", num_sft=200, num_rl=200, num_eval=100, seed=8)
+    assert first["sft"].read_bytes() == second["sft"].read_bytes()
+    assert first["eval"].read_bytes() == second["eval"].read_bytes()
+    assert first["sft"].read_bytes() != other_seed["sft"].read_bytes()
 
 
-def test_parse_answer():
-    assert parse_answer("1+2=3\n#### 3") == "3"
-    assert parse_answer("#### 1\n#### 42") == "42"
-    assert parse_answer("#### -7") == "-7"
-    assert parse_answer("no answer") is None
-    assert parse_answer("#### 4x") is None
+def test_train_and_eval_disjoint_and_eval_unique(tmp_path):
+    paths = write_quickstart_data(tmp_path, num_sft=3000, num_rl=3000, num_eval=256)
+    train = {row["prompt"] for name in ("sft", "rl") for row in read_jsonl(paths[name])}
+    held_out = [row["prompt"] for row in read_jsonl(paths["eval"])]
+    assert len(set(held_out)) == 256 and not train & set(held_out)
+
+
+def test_demonstrations_forget_carries_at_the_documented_rate(tmp_path):
+    rows = read_jsonl(write_quickstart_data(tmp_path, num_sft=4000, num_rl=1, num_eval=1)["sft"])
+    with_carry = [row for row in rows if Problem(*map(int, row["prompt"][:-1].split("+"))).has_carry]
+    wrong = [row for row in with_carry if parse_answer(row["response"]) != row["label"]]
+    assert 0.55 < len(wrong) / len(with_carry) < 0.65
+    no_carry = [row for row in rows if row not in with_carry]
+    assert all(parse_answer(row["response"]) == row["label"] for row in no_carry)
+    # Labels are always the true sum: the reward is right even where the demonstration is not.
+    assert all(int(row["label"]) == eval(row["prompt"][:-1]) for row in rows)
+
+
+def test_eval_split_is_about_the_asked_fraction():
+    problems = make_problems(AdditionTask(), "train", 1, random.Random(0))  # the check runs before drawing
+    assert len(problems) == 1
+    counts = {"train": 0, "eval": 0}
+    for a in range(10, 100):
+        for b in range(10, 100):
+            counts[split_of(Problem(a, b), 0.1)] += 1
+    assert 0.08 < counts["eval"] / sum(counts.values()) < 0.12
+
+
+def test_committed_quickstart_files_match_the_generator(tmp_path):
+    """examples/quickstart/ is what `python -m megarl.data.synthetic` writes; the README's numbers were measured on
+    exactly these files."""
+    paths = write_quickstart_data(tmp_path)
+    for name, path in paths.items():
+        assert (QUICKSTART_DIR / f"{name}.jsonl").read_bytes() == path.read_bytes(), name
 
 
 def test_bad_task_and_too_many_eval_problems():
-    with pytest.raises(UserError, match=r"task.ops='\*'"):
-        ChainArithmetic(ops="*").check()
-    with pytest.raises(UserError, match="num_operands=1"):
-        ChainArithmetic(num_operands=1).check()
+    with pytest.raises(UserError, match="task.num_digits=0"):
+        AdditionTask(num_digits=0).check()
+    with pytest.raises(UserError, match="forget_carry=1.5"):
+        AdditionTask(forget_carry=1.5).check()
     with pytest.raises(UserError, match="distinct eval problems"):
-        make_problems(ChainArithmetic(num_operands=2, max_operand=9), "eval", 200, seed=0, unique=True)
+        make_problems(AdditionTask(num_digits=1), "eval", 50, random.Random(0), unique=True)

@@ -112,7 +112,7 @@ def test_metrics_land_in_their_groups():
         "skill/other",
     ]
     groups = {group.name: group_keys(group, keys) for group in PLOT_GROUPS}
-    assert groups["reward"] == ["reward/mean", "eval/accuracy", "eval/math/accuracy"]
+    assert groups["reward"] == ["eval/accuracy", "eval/math/accuracy", "reward/mean"]
     assert groups["kl"] == ["actor/kl", "actor/approx_kl", "actor/kl_loss"]  # mismatch/kl has its own figure
     assert groups["mismatch"] == ["mismatch/kl"]
     assert groups["loss"] == ["actor/kl_loss", "actor/pg_loss", "critic/vf_loss"]

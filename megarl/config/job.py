@@ -28,7 +28,8 @@ class RunConfig:
     dir: str = "runs/${run.name}"
     """Run folder: resolved config, metrics.jsonl, TensorBoard, plots, checkpoints."""
     seed: int = 1
-    """Seeds data order, sampling and initialization; a resumed run derives every random stream from it."""
+    """Seeds rollout sampling and the workers' random streams (value heads, dropout); a resumed run derives them
+    from it. Data order has its own seed (data.seed, sft.data.seed, rm.data.seed), a built model `model.init.seed`."""
     stages: list[str] = field(default_factory=lambda: ["grpo"])
     """What to run, in order: sft (supervised, e.g. a cold start), grpo / ppo (the RL loop; ppo trains a critic),
     rm (reward-model training). Later stages continue from the actor of earlier ones."""

@@ -12,6 +12,7 @@ Prompt and response are tokenized separately, as in a rollout (prompt ids, then 
 from __future__ import annotations
 
 import logging
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,13 @@ class Renderer:
         self.config = config
         self.tokenizer = tokenizer
         self.fields = template_fields(config.template) if config.template else [config.prompt_key]
+        # A field the template indexes into ({problem[text]}) is a container; only what it writes must be scalar,
+        # and a missing part is reported when the template is filled.
+        self.indexed = {
+            name.split(".")[0].split("[")[0]
+            for _, name, _, _ in string.Formatter().parse(config.template or "")
+            if name and ("[" in name or "." in name)
+        }
         if config.apply_chat_template and not getattr(tokenizer, "chat_template", None):
             raise UserError(
                 f"{key}.apply_chat_template=true but the tokenizer has no chat template; set it to false, or use a "
@@ -41,7 +49,7 @@ class Renderer:
         """The columns a prompt is rendered from, with their kinds (see records.FIELD_CHECKS)."""
         if self.config.template is None:
             return {self.config.prompt_key: "prompt"}
-        return {name: "scalar" for name in self.fields}
+        return {name: "any" if name in self.indexed else "scalar" for name in self.fields}
 
     def prompt_text(self, values: dict[str, Any]) -> str:
         """The rendered prompt of one row (`values` checked against `input_fields`), ending where the response

@@ -1,20 +1,22 @@
-"""Synthetic verifiable tasks for the CPU quickstart: chain arithmetic with a short worked solution.
+"""The quickstart's verifiable task: multi-digit addition with a worked, digit-by-digit solution.
 
-A problem is a left-to-right chain of small additions and subtractions, e.g. the prompt `8+5-9+7=`, and its worked
-response writes one partial result per step, then a GSM8K-style answer line that the math verifier scores:
+A problem is `47+38=`; its worked response adds one column per step, right to left, carrying into the next column,
+then gives a GSM8K-style answer line that the math verifier scores:
 
-    8+5=13 13-9=4 4+7=11
-    #### 11
+    7+8=15 4+3+1=8
+    #### 85
 
-Every character is a token for the char-level tokenizer, so prompts and responses are kept short (about 9 and 30
-characters for four operands). Running values never go below zero: a `-` that would, is drawn as `+` instead, so
-answers are non-negative integers.
+Like most cold-start data, the SFT demonstrations are imperfect on purpose: with probability `forget_carry` a
+problem that needs a carry is demonstrated with the carry dropped (`7+8=15 4+3=7` / `#### 75`). SFT copies the
+format, the digit sums and the sloppiness; GRPO with the rule reward (answer == label) then has something real to fix,
+and held-out accuracy measures whether it did. Every character is one token for the char-level tokenizer.
 
-Held-out problems are disjoint from training ones by construction: each distinct prompt falls in one of
-`num_buckets` buckets by a stable hash (sha256 of the prompt), bucket 0 is the eval split and the rest the train
-split. Everything is deterministic given the seed, on any machine and Python version.
+Held-out problems are disjoint from training ones by construction: a problem is in the eval split when the first
+byte of sha256("a+b") is below `256 * eval_fraction`. Sampling is deterministic given (seed, stream) on any machine
+and Python version (`random.Random` seeded with a string, independent of PYTHONHASHSEED).
 
 Rows are JSON objects `{"prompt": ..., "label": ...}`, plus `"response"` (the worked solution, without EOS) for SFT.
+`python -m megarl.data.synthetic [OUT_DIR]` writes the quickstart's files (`examples/quickstart/` by default).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -30,170 +34,183 @@ from megarl.errors import UserError
 
 Split = Literal["train", "eval"]
 ANSWER_PREFIX = "#### "
+QUICKSTART_DIR = Path(__file__).resolve().parents[2] / "examples" / "quickstart"
 
 
 @dataclass(frozen=True)
-class ChainArithmetic:
-    """A family of chain-arithmetic problems and its fixed train/eval split."""
+class AdditionTask:
+    """Additions of two `num_digits`-digit numbers, their worked solutions, and a fixed train/eval split."""
 
-    num_operands: int = 4
-    """Numbers per problem (>= 2); the worked response has num_operands - 1 steps."""
-    min_operand: int = 1
-    """Smallest operand (>= 0)."""
-    max_operand: int = 19
-    """Largest operand."""
-    ops: str = "+-"
-    """Operators to draw from, each step uniformly; a subset of '+-'."""
-    num_buckets: int = 10
-    """Prompts are hashed into this many buckets; bucket 0 is held out for eval (about 1/num_buckets of problems)."""
+    num_digits: int = 2
+    """Digits per operand (>= 1); operands are drawn uniformly from 10**(n-1)..10**n - 1."""
+    forget_carry: float = 0.6
+    """Probability that an SFT demonstration of a problem with a carry drops it (a wrong but well-formed answer)."""
+    eval_fraction: float = 0.1
+    """About this fraction of all problems is held out for eval (by hash, so never seen in training)."""
 
     def check(self, key: str = "task") -> None:
-        if self.num_operands < 2:
-            raise UserError(f"{key}.num_operands={self.num_operands} must be >= 2")
-        if not 0 <= self.min_operand <= self.max_operand:
-            raise UserError(
-                f"{key}.min_operand={self.min_operand}, {key}.max_operand={self.max_operand}: "
-                "need 0 <= min_operand <= max_operand"
-            )
-        if not self.ops or set(self.ops) - set("+-"):
-            raise UserError(f"{key}.ops={self.ops!r} must be a non-empty subset of '+-'")
-        if self.num_buckets < 2:
-            raise UserError(f"{key}.num_buckets={self.num_buckets} must be >= 2 (one bucket is held out)")
+        if self.num_digits < 1:
+            raise UserError(f"{key}.num_digits={self.num_digits} must be >= 1")
+        if not 0.0 <= self.forget_carry <= 1.0:
+            raise UserError(f"{key}.forget_carry={self.forget_carry} must be in [0, 1]")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise UserError(f"{key}.eval_fraction={self.eval_fraction} must be in (0, 1)")
 
     @property
     def num_problems(self) -> int:
-        """Distinct operand tuples times operator choices (an upper bound on distinct prompts)."""
-        num_values = self.max_operand - self.min_operand + 1
-        return num_values**self.num_operands * len(self.ops) ** (self.num_operands - 1)
+        low, high = 10 ** (self.num_digits - 1), 10**self.num_digits
+        return (high - low) ** 2
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One problem: operands and operators, left to right."""
-
-    operands: tuple[int, ...]
-    ops: tuple[str, ...]
+    a: int
+    b: int
 
     @property
     def prompt(self) -> str:
-        text = str(self.operands[0])
-        for op, operand in zip(self.ops, self.operands[1:]):
-            text += f"{op}{operand}"
-        return text + "="
+        return f"{self.a}+{self.b}="
 
     @property
     def answer(self) -> int:
-        return self.partial_results()[-1]
-
-    def partial_results(self) -> list[int]:
-        values = [self.operands[0]]
-        for op, operand in zip(self.ops, self.operands[1:]):
-            values.append(values[-1] + operand if op == "+" else values[-1] - operand)
-        return values
+        return self.a + self.b
 
     @property
-    def response(self) -> str:
-        """The worked solution: one `a<op>b=c` step per operator, then the answer line."""
-        values = self.partial_results()
-        steps = [
-            f"{values[i]}{op}{operand}={values[i + 1]}"
-            for i, (op, operand) in enumerate(zip(self.ops, self.operands[1:]))
-        ]
-        return " ".join(steps) + f"\n{ANSWER_PREFIX}{values[-1]}"
+    def has_carry(self) -> bool:
+        """A carry into a further column (one that a demonstration can forget; the leading column's is just a digit)."""
+        return any(step.carry_out for step in column_steps(self.a, self.b)[:-1])
+
+    def response(self, forget_carry: bool = False) -> str:
+        """The worked solution; `forget_carry=True` drops every carry (the answer is then wrong if one was needed)."""
+        steps = column_steps(self.a, self.b, forget_carry)
+        work = " ".join(step.text for step in steps)
+        digits = "".join(str(step.total % 10) for step in reversed(steps))
+        if steps[-1].total >= 10:
+            digits = "1" + digits
+        return f"{work}\n{ANSWER_PREFIX}{int(digits)}"
 
 
-def split_of(prompt: str, num_buckets: int) -> Split:
-    """Which split a prompt belongs to: a stable hash, independent of seed and sampling order."""
-    digest = hashlib.sha256(prompt.encode()).digest()
-    return "eval" if int.from_bytes(digest[:8], "little") % num_buckets == 0 else "train"
+@dataclass(frozen=True)
+class ColumnStep:
+    a: int
+    b: int
+    carry_in: int
+    total: int
+
+    @property
+    def carry_out(self) -> int:
+        return self.total // 10
+
+    @property
+    def text(self) -> str:
+        carry = f"+{self.carry_in}" if self.carry_in else ""
+        return f"{self.a}+{self.b}{carry}={self.total}"
 
 
-def sample_problem(task: ChainArithmetic, rng: random.Random) -> Problem:
-    """One problem from the whole family (either split); a '-' that would go below zero becomes '+'."""
-    operands = [rng.randint(task.min_operand, task.max_operand) for _ in range(task.num_operands)]
-    ops: list[str] = []
-    value = operands[0]
-    for operand in operands[1:]:
-        op = rng.choice(task.ops)
-        if op == "-" and value - operand < 0:
-            op = "+"
-        value = value + operand if op == "+" else value - operand
-        ops.append(op)
-    return Problem(tuple(operands), tuple(ops))
+def column_steps(a: int, b: int, forget_carry: bool = False) -> list[ColumnStep]:
+    """One step per column, ones first; the last column is the longer operand's leading digit."""
+    digits_a, digits_b = str(a)[::-1], str(b)[::-1]
+    steps, carry = [], 0
+    for column in range(max(len(digits_a), len(digits_b))):
+        x = int(digits_a[column]) if column < len(digits_a) else 0
+        y = int(digits_b[column]) if column < len(digits_b) else 0
+        step = ColumnStep(x, y, carry, x + y + carry)
+        steps.append(step)
+        carry = 0 if forget_carry else step.carry_out
+    return steps
+
+
+def split_of(problem: Problem, eval_fraction: float) -> Split:
+    """The problem's split, from a stable hash of its prompt (not Python's salted hash())."""
+    first_byte = hashlib.sha256(f"{problem.a}+{problem.b}".encode()).digest()[0]
+    return "eval" if first_byte < round(256 * eval_fraction) else "train"
+
+
+def parse_answer(response: str) -> str | None:
+    """The number after the last `#### `, as the gsm8k verifier reads it; None without one."""
+    found = re.findall(rf"{re.escape(ANSWER_PREFIX)}(-?\d+)", response)
+    return found[-1] if found else None
 
 
 def make_problems(
-    task: ChainArithmetic, split: Split, num_problems: int, seed: int, unique: bool = False
+    task: AdditionTask, split: Split, num_problems: int, rng: random.Random, unique: bool = False
 ) -> list[Problem]:
-    """`num_problems` problems of one split, drawn by rejection; `unique=True` draws distinct prompts (for eval)."""
+    """`num_problems` problems of one split, drawn by rejection; `unique=True` draws distinct problems (for eval)."""
     task.check()
-    # Guard the rejection loop: the held-out split holds about 1/num_buckets of the family.
-    available = task.num_problems // task.num_buckets if split == "eval" else task.num_problems
-    if unique and num_problems > available // 2:
+    available = task.num_problems * (task.eval_fraction if split == "eval" else 1 - task.eval_fraction)
+    if unique and num_problems > available / 2:
         raise UserError(
-            f"asked for {num_problems} distinct {split} problems but the task has only about {available}; "
-            "widen min_operand..max_operand or add operands"
+            f"asked for {num_problems} distinct {split} problems but the task has only about {int(available)}; "
+            "use more digits or a larger eval_fraction"
         )
-    rng = random.Random(f"{seed}:{split}")
+    low, high = 10 ** (task.num_digits - 1), 10**task.num_digits - 1
     problems: list[Problem] = []
-    seen: set[str] = set()
+    seen: set[Problem] = set()
     while len(problems) < num_problems:
-        problem = sample_problem(task, rng)
-        prompt = problem.prompt
-        if split_of(prompt, task.num_buckets) != split or (unique and prompt in seen):
+        problem = Problem(rng.randint(low, high), rng.randint(low, high))
+        if split_of(problem, task.eval_fraction) != split or (unique and problem in seen):
             continue
-        seen.add(prompt)
+        seen.add(problem)
         problems.append(problem)
     return problems
 
 
-def sft_rows(problems: list[Problem]) -> list[dict[str, str]]:
-    return [{"prompt": p.prompt, "response": p.response, "label": str(p.answer)} for p in problems]
+def sft_rows(task: AdditionTask, problems: list[Problem], rng: random.Random) -> list[dict[str, str]]:
+    """Imperfect demonstrations: a problem with a carry forgets it with probability task.forget_carry."""
+    rows = []
+    for problem in problems:
+        forget = problem.has_carry and rng.random() < task.forget_carry
+        rows.append({"prompt": problem.prompt, "response": problem.response(forget), "label": str(problem.answer)})
+    return rows
 
 
 def prompt_rows(problems: list[Problem]) -> list[dict[str, str]]:
-    return [{"prompt": p.prompt, "label": str(p.answer)} for p in problems]
+    return [{"prompt": problem.prompt, "label": str(problem.answer)} for problem in problems]
 
 
 def write_jsonl(rows: list[dict[str, str]], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path
 
 
 def write_quickstart_data(
     out_dir: str | Path,
-    task: ChainArithmetic | None = None,
-    num_sft: int = 20000,
-    num_rl: int = 20000,
+    task: AdditionTask | None = None,
+    num_sft: int = 6000,
+    num_rl: int = 6000,
     num_eval: int = 256,
     seed: int = 0,
 ) -> dict[str, Path]:
     """Write sft.jsonl (prompt, response, label), rl.jsonl (prompt, label) and eval.jsonl (distinct held-out prompts).
 
-    SFT and RL rows come from the train split with different sample streams, eval rows from the held-out split.
+    Each file has its own sample stream, so changing one size leaves the other files as they were.
     """
-    task = task or ChainArithmetic()
+    task = task or AdditionTask()
+    task.check()
     out_dir = Path(out_dir)
+
+    def stream(name: str) -> random.Random:
+        return random.Random(f"{seed}:{name}")
+
+    sft_stream = stream("sft")
+    sft = sft_rows(task, make_problems(task, "train", num_sft, sft_stream), sft_stream)
+    rl = prompt_rows(make_problems(task, "train", num_rl, stream("rl")))
+    held_out = prompt_rows(make_problems(task, "eval", num_eval, stream("eval"), unique=True))
     return {
-        "sft": write_jsonl(sft_rows(make_problems(task, "train", num_sft, seed=seed)), out_dir / "sft.jsonl"),
-        "rl": write_jsonl(prompt_rows(make_problems(task, "train", num_rl, seed=seed + 1)), out_dir / "rl.jsonl"),
-        "eval": write_jsonl(
-            prompt_rows(make_problems(task, "eval", num_eval, seed=seed, unique=True)), out_dir / "eval.jsonl"
-        ),
+        "sft": write_jsonl(sft, out_dir / "sft.jsonl"),
+        "rl": write_jsonl(rl, out_dir / "rl.jsonl"),
+        "eval": write_jsonl(held_out, out_dir / "eval.jsonl"),
     }
 
 
-def parse_answer(text: str) -> str | None:
-    """The number on the last `#### ` line of a response, or None (a minimal verifier for tests and prototypes)."""
-    index = text.rfind(ANSWER_PREFIX)
-    if index < 0:
-        return None
-    token = text[index + len(ANSWER_PREFIX) :].strip().split("\n")[0].strip()
-    try:
-        return str(int(token))
-    except ValueError:
-        return None
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    out_dir = Path(argv[0]) if argv else QUICKSTART_DIR
+    for name, path in write_quickstart_data(out_dir).items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()

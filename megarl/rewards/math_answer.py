@@ -211,10 +211,12 @@ def _split_top_level(text: str) -> tuple[str, list[str], str] | None:
     return (text[0], parts, text[-1]) if len(parts) > 1 else None
 
 
-def is_equivalent(prediction: str | None, answers: Iterable[str], sympy_timeout_s: float | None = 2.0) -> bool:
-    """Whether `prediction` equals any of `answers` (see the module docstring for the rules)."""
+def is_equivalent(prediction: str | None, answers: str | Iterable[str], sympy_timeout_s: float | None = 2.0) -> bool:
+    """Whether `prediction` equals `answers` or any of them (see the module docstring for the rules)."""
     if prediction is None:
         return False
+    if isinstance(answers, str):  # one answer, not its characters
+        answers = (answers,)
     return any(_equivalent(prediction, answer, sympy_timeout_s) for answer in answers)
 
 
