@@ -73,7 +73,7 @@ def run_async_rl(ctx: RunContext, sampler: PromptSampler) -> None:
                     batch, advantage_metrics = rl_steps.add_advantages(batch, algorithm)
                 metrics.update(logprob_metrics | advantage_metrics | is_weight_metrics(batch, algorithm.off_policy))
                 with ctx.phase("update"):
-                    metrics.update(_update(ctx, batch, actor_loss, critic_loss, temperature))
+                    metrics.update(rl_steps.update(ctx, batch, actor_loss, critic_loss, temperature))
                 with ctx.phase("sync"):
                     metrics.update(producer.sync(ctx.sync_weights))  # generation paused only for the sync
                 metrics.update(staleness_metrics(taken, rl.max_staleness) | producer.take_times())
@@ -91,8 +91,8 @@ def _producer(ctx: RunContext, sampler: PromptSampler, rewards: RewardRunner) ->
     reward_model = ctx.roles.reward_model
 
     def score(batch: Batch) -> tuple[Batch, dict[str, float]]:
-        scores, metrics, _ = rl_steps.score_rollout(batch, rewards, reward_model)
-        return rl_steps.token_rewards(batch, scores, algorithm, sampling.max_new_tokens), metrics
+        rm_coef = config.reward_model.coef
+        return rl_steps.reward_batch(batch, rewards, algorithm, sampling.max_new_tokens, reward_model, rm_coef)
 
     buffer = RolloutBuffer(rl.max_staleness, rl.stale_policy, min_groups=rl.mini_batches)
     first = ctx.state.global_step
@@ -114,24 +114,6 @@ def _producer(ctx: RunContext, sampler: PromptSampler, rewards: RewardRunner) ->
         if dapo.dynamic_sampling
         else None,
     )
-
-
-def _update(ctx: RunContext, batch: Batch, actor_loss, critic_loss, temperature: float) -> dict[str, float]:
-    """rl.ppo_epochs passes over the batch in rl.mini_batches mini-batches (one optimizer step each), as the
-    synchronous loop does."""
-    rl, algorithm = ctx.config.rl, ctx.config.algorithm
-    norm_len = ctx.config.rollout.sampling.max_new_tokens
-    train_actor = ctx.state.step >= rl.critic_warmup_steps
-    updates = []
-    for _ in range(rl.ppo_epochs):
-        for mini in rl_steps.mini_batches(batch, rl.mini_batches):
-            metrics = {}
-            if critic_loss is not None:
-                metrics |= rl_steps.update_critic(mini, ctx.roles, critic_loss, algorithm, norm_len)
-            if train_actor:
-                metrics |= rl_steps.update_actor(mini, ctx.roles, actor_loss, algorithm, temperature, norm_len)
-            updates.append(metrics)
-    return rl_steps.average(updates)
 
 
 def staleness_metrics(taken: TakenBatch, max_staleness: int) -> dict[str, float]:

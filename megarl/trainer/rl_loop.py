@@ -28,7 +28,7 @@ def run_rl(ctx: RunContext, sampler: PromptSampler) -> None:
             batch, advantage_metrics = rl_steps.add_advantages(batch, algorithm)
         metrics.update(logprob_metrics | advantage_metrics)
         with ctx.phase("update"):
-            metrics.update(_update(ctx, batch, actor_loss, critic_loss, temperature))
+            metrics.update(rl_steps.update(ctx, batch, actor_loss, critic_loss, temperature))
         with ctx.phase("sync"):
             metrics.update(ctx.sync_weights())
         ctx.end_step(metrics, rl.num_steps, samplers, batch, rl.eval_every, num_tokens)
@@ -40,7 +40,7 @@ def _rollouts(ctx: RunContext, sampler: PromptSampler) -> tuple[Batch, dict[str,
     algorithm.dapo.max_sampling_rounds rounds (a short batch is used as it is after that)."""
     config = ctx.config
     algorithm, sampling = config.algorithm, config.rollout.sampling
-    dapo = algorithm.dapo
+    dapo, rm_coef = algorithm.dapo, config.reward_model.coef
     parts, metrics, num_tokens, num_groups = [], {}, 0, 0
     for draw in range(dapo.max_sampling_rounds if dapo.dynamic_sampling else 1):
         with ctx.phase("rollout"):
@@ -49,8 +49,9 @@ def _rollouts(ctx: RunContext, sampler: PromptSampler) -> tuple[Batch, dict[str,
                 ctx.roles.rollout, next(sampler), sampling, ctx.tokenizer, config.run.seed, seed_step
             )
         with ctx.phase("reward"):
-            scores, reward_metrics, _ = rl_steps.score_rollout(rollout.batch, ctx.rewards, ctx.roles.reward_model)
-            batch = rl_steps.token_rewards(rollout.batch, scores, algorithm, sampling.max_new_tokens)
+            batch, reward_metrics = rl_steps.reward_batch(
+                rollout.batch, ctx.rewards, algorithm, sampling.max_new_tokens, ctx.roles.reward_model, rm_coef
+            )
         num_tokens += rollout.num_tokens
         if draw == 0:
             metrics = rollout_metrics(batch) | reward_metrics
@@ -58,7 +59,7 @@ def _rollouts(ctx: RunContext, sampler: PromptSampler) -> tuple[Batch, dict[str,
             return batch, metrics, num_tokens
         keep, kept = keep_groups(batch["scores"], batch["group_ids"])
         batch = batch.select(keep.nonzero().squeeze(1))
-        parts.append(batch.with_tensors(group_ids=_renumber(batch["group_ids"], num_groups)))
+        parts.append(batch.with_tensors(group_ids=rl_steps.renumber_groups(batch["group_ids"], num_groups)))
         num_groups += kept
         if num_groups >= config.rl.prompts_per_step:
             break
@@ -66,28 +67,3 @@ def _rollouts(ctx: RunContext, sampler: PromptSampler) -> tuple[Batch, dict[str,
     batch = batch.select((batch["group_ids"] < config.rl.prompts_per_step).nonzero().squeeze(1))
     metrics.update({"dapo/kept_groups": float(min(num_groups, config.rl.prompts_per_step)), "dapo/draws": draw + 1.0})
     return batch, metrics, num_tokens
-
-
-def _renumber(group_ids, offset: int):
-    """Group ids 0.. in order of appearance, shifted by `offset` (kept groups of several draws stay distinct)."""
-    import torch
-
-    _, inverse = torch.unique_consecutive(group_ids, return_inverse=True)
-    return inverse + offset
-
-
-def _update(ctx: RunContext, batch: Batch, actor_loss, critic_loss, temperature: float) -> dict[str, float]:
-    """rl.ppo_epochs passes over the batch in rl.mini_batches mini-batches (one optimizer step each)."""
-    rl, algorithm = ctx.config.rl, ctx.config.algorithm
-    norm_len = ctx.config.rollout.sampling.max_new_tokens
-    train_actor = ctx.state.step >= rl.critic_warmup_steps
-    updates = []
-    for _ in range(rl.ppo_epochs):
-        for mini in rl_steps.mini_batches(batch, rl.mini_batches):
-            metrics = {}
-            if critic_loss is not None:
-                metrics |= rl_steps.update_critic(mini, ctx.roles, critic_loss, algorithm, norm_len)
-            if train_actor:
-                metrics |= rl_steps.update_actor(mini, ctx.roles, actor_loss, algorithm, temperature, norm_len)
-            updates.append(metrics)
-    return rl_steps.average(updates)

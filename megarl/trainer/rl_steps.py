@@ -39,6 +39,19 @@ def score_rollout(
     return scores, metrics, result.extras
 
 
+def reward_batch(
+    batch: Batch,
+    runner: RewardRunner,
+    algorithm: AlgorithmConfig,
+    max_new_tokens: int,
+    reward_model=None,
+    rm_coef: float = 1.0,
+) -> tuple[Batch, dict[str, float]]:
+    """Score a rollout batch and place the rewards on its tokens (the reward phase of both RL loops)."""
+    scores, metrics, _ = score_rollout(batch, runner, reward_model, rm_coef)
+    return token_rewards(batch, scores, algorithm, max_new_tokens), metrics
+
+
 def token_rewards(batch: Batch, scores_B: torch.Tensor, algorithm: AlgorithmConfig, max_new_tokens: int) -> Batch:
     """Scores placed on each sample's last response token, with DAPO's overlong shaping when configured."""
     mask = batch["response_mask"]
@@ -142,3 +155,27 @@ def average(metrics: list[dict[str, float]]) -> dict[str, float]:
     """Mean of each metric over a list of per-update dicts."""
     names = {name for m in metrics for name in m}
     return {name: sum(m[name] for m in metrics if name in m) / sum(name in m for m in metrics) for name in names}
+
+
+def renumber_groups(group_ids: torch.Tensor, offset: int) -> torch.Tensor:
+    """Group ids 0.. in order of appearance, shifted by `offset` (kept groups of several draws stay distinct)."""
+    _, inverse = torch.unique_consecutive(group_ids, return_inverse=True)
+    return inverse + offset
+
+
+def update(ctx, batch: Batch, actor_loss, critic_loss, temperature: float) -> dict[str, float]:
+    """rl.ppo_epochs passes over the batch in rl.mini_batches mini-batches (one optimizer step each); the critic
+    trains from the first step, the actor after rl.critic_warmup_steps."""
+    rl, algorithm = ctx.config.rl, ctx.config.algorithm
+    norm_len = ctx.config.rollout.sampling.max_new_tokens
+    train_actor = ctx.state.step >= rl.critic_warmup_steps
+    updates = []
+    for _ in range(rl.ppo_epochs):
+        for mini in mini_batches(batch, rl.mini_batches):
+            metrics = {}
+            if critic_loss is not None:
+                metrics |= update_critic(mini, ctx.roles, critic_loss, algorithm, norm_len)
+            if train_actor:
+                metrics |= update_actor(mini, ctx.roles, actor_loss, algorithm, temperature, norm_len)
+            updates.append(metrics)
+    return average(updates)

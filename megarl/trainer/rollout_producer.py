@@ -30,15 +30,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
-import torch
-
 from megarl.algorithms.dapo import keep_groups
 from megarl.data.batch import Batch
 from megarl.data.prompts import PromptSample, PromptSampler
 from megarl.rollout.config import SamplingParams
 from megarl.rollout.engine import Completion, GenerateRequest, sample_seed
+from megarl.trainer.rl_steps import renumber_groups
 from megarl.trainer.rollout_buffer import OLDEST_VERSION, BufferClosed, RolloutBuffer, ScoredBatch, TakenBatch
-from megarl.trainer.rollout_step import collate_rollout, request_seed, rollout_metrics
+from megarl.trainer.rollout_step import collate_rollout, generate_on_engines, request_seed, rollout_metrics
 
 T = TypeVar("T")
 
@@ -67,11 +66,7 @@ class EngineGroup:
         self.group = group
 
     def generate(self, requests: list[GenerateRequest], sampling: SamplingParams) -> list[list[Completion]]:
-        num_engines = self.group.world_size
-        bounds = [len(requests) * i // num_engines for i in range(num_engines + 1)]
-        shares = [requests[bounds[i] : bounds[i + 1]] for i in range(num_engines)]
-        per_engine = self.group.call("generate", shares, [sampling] * num_engines, dispatch="per_rank")
-        return [completions for share in per_engine for completions in share]
+        return generate_on_engines(self.group, requests, sampling)
 
     def abort(self) -> None:
         self.group.call("abort", timeout_s=60)
@@ -268,7 +263,7 @@ class RolloutProducer:
                 break
             keep, kept = keep_groups(batch["scores"], batch["group_ids"])
             batch = batch.select(keep.nonzero().squeeze(1))
-            parts.append(batch.with_tensors(group_ids=_renumber(batch["group_ids"], num_groups)))
+            parts.append(batch.with_tensors(group_ids=renumber_groups(batch["group_ids"], num_groups)))
             num_groups += kept
             if num_groups >= dynamic.num_groups:
                 break
@@ -354,9 +349,3 @@ def oldest_version(completion: Completion) -> int:
 
 def _with_oldest_versions(batch: Batch, completions: list[Completion]) -> Batch:
     return Batch(batch.tensors, {**batch.meta, OLDEST_VERSION: [oldest_version(c) for c in completions]})
-
-
-def _renumber(group_ids: torch.Tensor, offset: int) -> torch.Tensor:
-    """Group ids 0.. in order of appearance, shifted by `offset` (kept groups of several draws stay distinct)."""
-    _, inverse = torch.unique_consecutive(group_ids, return_inverse=True)
-    return inverse + offset

@@ -47,11 +47,11 @@ def generate_batch(
         GenerateRequest(s.prompt_ids, seed=request_seed(run_seed, step, i), request_id=str(s.index))
         for i, s in enumerate(samples)
     ]
-    completions = _generate_on_engines(rollout_group, requests, sampling)
+    completions = generate_on_engines(rollout_group, requests, sampling)
     return collate_rollout(samples, completions, tokenizer)
 
 
-def _generate_on_engines(group, requests: list[GenerateRequest], sampling: SamplingParams) -> list[list[Completion]]:
+def generate_on_engines(group, requests: list[GenerateRequest], sampling: SamplingParams) -> list[list[Completion]]:
     num_engines = group.world_size
     bounds = [len(requests) * i // num_engines for i in range(num_engines + 1)]
     shares = [requests[bounds[i] : bounds[i + 1]] for i in range(num_engines)]
