@@ -59,6 +59,7 @@ def convert_hf_to_mcore(
     start = time.monotonic()
     src = Path(src)
     parallel = parallel or ParallelConfig()
+    parallel.check("--")
     arch = get_architecture(read_config_json(src).get("model_type"))
     hf_config = load_hf_config(src)
     arch.check_supported(hf_config)

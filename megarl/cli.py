@@ -63,6 +63,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         from converters.hf_to_mcore import convert_hf_to_mcore
 
         parallel = ParallelConfig(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
+        parallel.check("--")  # names the flags: "--vpp=2 needs pipeline parallelism (--pp > 1)"
         report = convert_hf_to_mcore(
             args.src, args.dst, parallel, dtype, args.vocab_multiple, args.overwrite, not args.no_progress
         )

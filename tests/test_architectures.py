@@ -111,11 +111,31 @@ def test_rope_frequencies_match_transformers(name, overrides):
     assert torch.allclose(ours, model.model.rotary_emb.inv_freq, rtol=0, atol=1e-12)
 
 
-def test_parallel_config_rejects_bad_sizes():
-    with pytest.raises(UserError, match="parallel.tp=0 must be >= 1"):
-        ParallelConfig(tp=0)
-    with pytest.raises(UserError, match="vpp=2 needs pipeline parallelism"):
-        ParallelConfig(vpp=2)
+@pytest.mark.parametrize(
+    ("parallel", "key", "message"),
+    [
+        (ParallelConfig(tp=0), "parallel", "parallel.tp=0 must be >= 1"),
+        (ParallelConfig(cp=0), "actor.model.parallel", "actor.model.parallel.cp=0 must be >= 1"),
+        (ParallelConfig(etp=0), "parallel", "parallel.etp=0 must be >= 1 (or unset: the same as tp)"),
+        (ParallelConfig(vpp=2), "parallel", "parallel.vpp=2 needs pipeline parallelism (parallel.pp > 1)"),
+        (
+            ParallelConfig(sequence_parallel=True),
+            "critic.model.parallel",
+            "critic.model.parallel.sequence_parallel=true needs critic.model.parallel.tp > 1",
+        ),
+        (ParallelConfig(pp=1, vpp=2), "--", "--vpp=2 needs pipeline parallelism (--pp > 1)"),  # the convert CLI
+    ],
+)
+def test_parallel_config_rejects_bad_sizes(parallel, key, message):
+    # Construction does not validate (the config loader builds first, then checks with the full key): check does.
+    with pytest.raises(UserError) as error:
+        parallel.check(key)
+    assert message in str(error.value)
+
+
+def test_parallel_config_accepts_good_sizes():
+    for parallel in [ParallelConfig(), ParallelConfig(tp=2, pp=2, vpp=2, ep=4, etp=1, cp=2, sequence_parallel=True)]:
+        parallel.check("parallel")
 
 
 @pytest.mark.parametrize(

@@ -82,7 +82,7 @@ CASES = {
     ),
     "tp does not divide kv heads": (lambda s: s, ["--tp", "4"], ["num_key_value_heads=2", "valid: 1, 2"]),
     "pp does not divide layers": (lambda s: s, ["--pp", "3"], ["--pp=3 x --vpp=1 does not divide num_hidden_layers=4"]),
-    "vpp without pp": (lambda s: s, ["--vpp", "2"], ["parallel.vpp=2 needs pipeline parallelism"]),
+    "vpp without pp": (lambda s: s, ["--vpp", "2"], ["--vpp=2 needs pipeline parallelism (--pp > 1)"]),
     "truncated safetensors": (lambda s: s, [], ["truncated or corrupted"]),
     "corrupted header": (lambda s: s, [], ["is not a valid safetensors file"]),
     "no weights": (lambda s: [p.unlink() for p in s.glob("model*")] and s, [], ["holds no safetensors weights"]),

@@ -18,7 +18,7 @@ from megarl.errors import UserError
 
 @dataclass(frozen=True)
 class ParallelToy:
-    """Like megarl.runtime.parallel.ParallelConfig: frozen, validated in __post_init__."""
+    """A frozen section validated in __post_init__ (the loader must name the section in its errors)."""
 
     tp: int = 1
     pp: int = 1

@@ -13,7 +13,8 @@ from megarl.plan.memory import GB, RoleLayout, role_memory
 from megarl.plan.model_size import count_parameters, hf_config_from_dict, model_shape, stage_params
 from megarl.plan.rollout import engine_memory
 from megarl.rollout.config import SGLangEngineConfig
-from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings, ParallelSettings
+from megarl.runtime.parallel import ParallelConfig
+from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings
 
 REPO = Path(__file__).resolve().parents[1]
 DEEPSEEK_CONFIG = REPO / "configs" / "grpo_deepseek_v3_671b.yaml"
@@ -45,7 +46,7 @@ TINY_LLAMA_TP2 = 139840
 def tiny_llama_memory(distributed: bool, dtype: str = "bfloat16", offload: bool = False):
     shape = shape_of("tiny-llama")
     layout = RoleLayout(tp=2, pp=1, vpp=1, ep=1, etp=2, cp=1, sequence_parallel=False, world=8)
-    settings = ModelSettings(dtype=dtype, parallel=ParallelSettings(tp=2))
+    settings = ModelSettings(dtype=dtype, parallel=ParallelConfig(tp=2))
     optim = OptimizerSettings(use_distributed_optimizer=distributed, offload_optimizer=offload)
     return role_memory("actor", shape, layout, settings, MicroBatchSettings(max_tokens=64), optim, longest_sample=32)
 
@@ -75,7 +76,7 @@ def test_expert_states_shard_over_expert_data_parallel_ranks():
     """Dense Adam states shard over world / (tp pp), expert states over world / (ep etp pp)."""
     shape = shape_of("tiny-mixtral")  # 8 experts of 3 x 96 x 64 = 18432 parameters, 4 layers
     layout = RoleLayout(tp=2, pp=1, vpp=1, ep=4, etp=1, cp=1, sequence_parallel=True, world=16)
-    settings = ModelSettings(dtype="bfloat16", parallel=ParallelSettings(tp=2, ep=4, etp=1, sequence_parallel=True))
+    settings = ModelSettings(dtype="bfloat16", parallel=ParallelConfig(tp=2, ep=4, etp=1, sequence_parallel=True))
     m = role_memory("actor", shape, layout, settings, MicroBatchSettings(), OptimizerSettings(), longest_sample=32)
     assert m.params.expert == 4 * (8 // 4) * 18432
     assert layout.expert_dp == 4 and layout.dp == 8

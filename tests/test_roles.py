@@ -15,7 +15,8 @@ from megarl.cluster.ray_runtime import start_ray, stop_ray
 from megarl.cluster.resource_pool import ResourcePool
 from megarl.cluster.worker_group import WorkerGroup
 from megarl.data.collate import make_rl_batch
-from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings, ParallelSettings
+from megarl.runtime.parallel import ParallelConfig
+from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings
 from megarl.workers.megatron_worker import MegatronWorker
 
 PROMPTS = [[1, 17, 25, 33, 9], [1, 40, 41], [1, 8, 77, 12], [1, 2, 3]]
@@ -30,7 +31,7 @@ def ray_local():
 
 
 def setup(group: WorkerGroup, folder, trainable: bool) -> None:
-    settings = ModelSettings(path=str(folder), dtype="float32", parallel=ParallelSettings(tp=2))
+    settings = ModelSettings(path=str(folder), dtype="float32", parallel=ParallelConfig(tp=2))
     optim = OptimizerSettings(lr=1e-3, eps=1e-6) if trainable else None
     group.call("setup", settings, MicroBatchSettings(max_tokens=64), "lm", optim, 10)
 
@@ -96,7 +97,7 @@ def test_a_role_that_fails_at_setup_reports_role_rank_and_traceback(ray_local, t
     pool = ResourcePool("broken", num_nodes=1, gpus_per_node=2)
     group = WorkerGroup(MegatronWorker, pool, "critic")
     try:
-        settings = ModelSettings(path=str(tmp_path / "missing"), dtype="float32", parallel=ParallelSettings(tp=2))
+        settings = ModelSettings(path=str(tmp_path / "missing"), dtype="float32", parallel=ParallelConfig(tp=2))
         with pytest.raises(WorkerError) as info:
             group.call("setup", settings, MicroBatchSettings(), "value", None, 1, timeout_s=120)
         text = str(info.value)

@@ -20,7 +20,8 @@ from megarl.cluster.worker_group import WorkerGroup
 from megarl.data.collate import make_rl_batch
 from megarl.rollout.config import RolloutConfig, SamplingParams
 from megarl.rollout.engine import GenerateRequest
-from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings, ParallelSettings
+from megarl.runtime.parallel import ParallelConfig
+from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings
 from megarl.workers.megatron_worker import MegatronWorker
 from megarl.workers.rollout_worker import RolloutWorker
 
@@ -34,7 +35,7 @@ def ray_local():
     stop_ray()
 
 
-def build(folder, parallel: ParallelSettings):
+def build(folder, parallel: ParallelConfig):
     """A trainable actor on 2 logical GPUs and one hf engine sharing them (colocated), both from `folder`."""
     pool = ResourcePool("train", num_nodes=1, gpus_per_node=2)
     actor = WorkerGroup(MegatronWorker, pool, "actor", num_gpus_per_worker=0.5)
@@ -103,7 +104,7 @@ def one_update(actor):
 
 @pytest.mark.parametrize(
     "name,parallel",
-    [("tiny-qwen3", ParallelSettings(tp=2)), ("tiny-qwen3-moe", ParallelSettings(ep=2))],
+    [("tiny-qwen3", ParallelConfig(tp=2)), ("tiny-qwen3-moe", ParallelConfig(ep=2))],
     ids=["dense-tp2", "moe-ep2"],
 )
 def test_sync_gives_the_engine_the_actors_weights_and_outputs(ray_local, hf_checkpoint, name, parallel):

@@ -35,11 +35,9 @@ def random_batch(num_rows: int, vocab_size: int, seed: int = 0, max_len: int = 4
 
 
 def settings_for(path: str, layout, dtype: str = "float32", lr: float = 1e-3):
-    from megarl.workers.config import ModelSettings, OptimizerSettings, ParallelSettings
+    from megarl.workers.config import ModelSettings, OptimizerSettings
 
-    p = as_parallel(layout)
-    parallel = ParallelSettings(p.tp, p.pp, p.vpp, p.ep, p.etp)
-    model = ModelSettings(path=path, dtype=dtype, parallel=parallel)
+    model = ModelSettings(path=path, dtype=dtype, parallel=as_parallel(layout))
     optim = OptimizerSettings(lr=lr, clip_grad=1.0, eps=1e-6)
     return model, optim
 

@@ -71,7 +71,7 @@ def resolve_layout(settings: ModelSettings, world: int, key: str, shape: ModelSh
 
     par = settings.parallel
     prefix = f"{key}.parallel."
-    check_parallel_layout(get_architecture(hf_config.model_type), hf_config, par.to_runtime(), prefix=prefix)
+    check_parallel_layout(get_architecture(hf_config.model_type), hf_config, par, prefix=prefix)
     etp = par.etp if par.etp is not None else par.tp
     if world % (par.tp * par.pp * par.cp):
         raise UserError(

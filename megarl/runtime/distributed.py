@@ -77,6 +77,7 @@ def init_distributed(
 def init_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
     """Create Megatron-Core's TP/PP/EP/CP/DP groups over the default group, and seed its RNG tracker. Without CUDA
     the CPU compatibility layer is switched on first (from the calling thread: the one that will run the model)."""
+    parallel.check()  # a job config's layout was checked with its key already; this guards layouts built in code
     cpu_compat.activate()
     from megatron.core import parallel_state
 

@@ -1,4 +1,10 @@
-"""The parallel layout of one Megatron model: how its weights and work split across ranks."""
+"""The parallel layout of one Megatron model: how its weights and work split across ranks.
+
+`ParallelConfig` is both the `parallel` section of a role's job config (`actor.model.parallel`, see
+megarl/workers/config.py) and what the runtime takes. Like every config dataclass it is validated by `check(key)`,
+not on construction: the config loader builds it first and then calls `check` with its full key, so errors name
+`actor.model.parallel.tp`. Code that builds one from other user input (the convert CLI's flags) calls `check` itself.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,8 @@ from megarl.errors import UserError
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Sizes of the parallel axes. Data parallelism takes whatever ranks are left: world / (tp * pp * cp)."""
+    """How one model is split across its ranks: the sizes of the parallel axes. Data parallelism takes the ranks left
+    over: world / (tp * pp * cp)."""
 
     tp: int = 1
     """Tensor-parallel size: each weight matrix is split across this many ranks."""
@@ -20,20 +27,26 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size (MoE models): the experts are split across this many ranks."""
     etp: int | None = None
-    """Expert tensor-parallel size; None means the same as `tp`."""
+    """Expert tensor-parallel size; null (the default) means the same as `tp`."""
     cp: int = 1
-    """Context-parallel size: each sequence is split across this many ranks."""
+    """Context-parallel size (GPU only): each sequence is split across this many ranks."""
     sequence_parallel: bool = False
-    """Split activations along the sequence inside tensor-parallel regions (needs tp > 1)."""
+    """Split activations along the sequence inside tensor-parallel regions (needs tp > 1; Transformer Engine
+    layers)."""
 
-    def __post_init__(self) -> None:
+    def check(self, key: str = "parallel") -> None:
+        """Raise a UserError naming `{key}.<axis>` when a size is impossible on its own (whether the model can be
+        split this way is checked against its config by megarl.models.layout). key="--" names the axes as
+        command-line flags (`--tp`)."""
         for axis in ("tp", "pp", "vpp", "ep", "cp"):
             if getattr(self, axis) < 1:
-                raise UserError(f"parallel.{axis}={getattr(self, axis)} must be >= 1")
+                raise UserError(f"{_name(key, axis)}={getattr(self, axis)} must be >= 1")
         if self.etp is not None and self.etp < 1:
-            raise UserError(f"parallel.etp={self.etp} must be >= 1 or None")
+            raise UserError(f"{_name(key, 'etp')}={self.etp} must be >= 1 (or unset: the same as tp)")
         if self.vpp > 1 and self.pp == 1:
-            raise UserError(f"parallel.vpp={self.vpp} needs pipeline parallelism (parallel.pp > 1)")
+            raise UserError(f"{_name(key, 'vpp')}={self.vpp} needs pipeline parallelism ({_name(key, 'pp')} > 1)")
+        if self.sequence_parallel and self.tp == 1:
+            raise UserError(f"{_name(key, 'sequence_parallel')}=true needs {_name(key, 'tp')} > 1")
 
     @property
     def model_parallel_size(self) -> int:
@@ -62,3 +75,8 @@ class ParallelConfig:
         if self.ep > 1 or self.etp is not None:
             layout.update(ep=self.ep, etp=self.etp if self.etp is not None else self.tp)
         return layout
+
+
+def _name(key: str, axis: str) -> str:
+    """`key.axis`, or `--axis` for the command-line key "--"."""
+    return f"{key}{axis}" if key.endswith("-") else f"{key}.{axis}"

@@ -6,40 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megarl.errors import UserError
-
-
-@dataclass
-class ParallelSettings:
-    """How one role's model is split across its workers; data parallelism takes the ranks left over."""
-
-    tp: int = 1
-    """Tensor-parallel size: each weight matrix is split across this many ranks."""
-    pp: int = 1
-    """Pipeline-parallel size: the layers are split into this many stages."""
-    vpp: int = 1
-    """Virtual pipeline chunks per stage (interleaved schedule); 1 = no interleaving."""
-    ep: int = 1
-    """Expert-parallel size (MoE): the experts are split across this many ranks."""
-    etp: int | None = None
-    """Expert tensor-parallel size; null = the same as tp."""
-    cp: int = 1
-    """Context-parallel size (GPU only): each sequence is split across this many ranks."""
-    sequence_parallel: bool = False
-    """Split activations along the sequence inside TP regions (needs tp > 1; Transformer Engine layers)."""
-
-    def check(self, key: str) -> None:
-        for axis in ("tp", "pp", "vpp", "ep", "cp"):
-            if getattr(self, axis) < 1:
-                raise UserError(f"{key}.{axis}={getattr(self, axis)} must be >= 1")
-        if self.vpp > 1 and self.pp == 1:
-            raise UserError(f"{key}.vpp={self.vpp} needs pipeline parallelism ({key}.pp > 1)")
-        if self.sequence_parallel and self.tp == 1:
-            raise UserError(f"{key}.sequence_parallel=true needs {key}.tp > 1")
-
-    def to_runtime(self):
-        from megarl.runtime.parallel import ParallelConfig
-
-        return ParallelConfig(self.tp, self.pp, self.vpp, self.ep, self.etp, self.cp, self.sequence_parallel)
+from megarl.runtime.parallel import ParallelConfig
 
 
 @dataclass
@@ -94,7 +61,8 @@ class ModelSettings:
     """A Hugging Face model folder or a megarl checkpoint folder (written by `megarl convert` or training)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Parameter dtype of the Megatron model (float32 on CPU)."""
-    parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the model is split across the role's workers; data parallelism takes the ranks left over."""
     recompute: bool = False
     """Recompute activations in the backward pass (full layers): less memory, ~30% more compute."""
     vocab_multiple: int = 128

@@ -34,7 +34,7 @@ class MegatronWorker(Worker):
         from megarl.workers.role_model import build_role_model
 
         start = time.perf_counter()
-        init_model_parallel(model.parallel.to_runtime(), seed=seed)
+        init_model_parallel(model.parallel, seed=seed)
         self.micro_batch = micro_batch
         self.model = build_role_model(model, head, optimizer, total_steps, path)
         num_params = sum(p.numel() for chunk in self.model.loaded.chunks for p in chunk.parameters())

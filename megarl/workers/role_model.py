@@ -88,7 +88,7 @@ def build_role_model(
 ) -> RoleModel:
     """Load the role's model at the current parallel layout; with `optimizer` settings it is trainable (DDP +
     optimizer). `path` overrides settings.path (e.g. resuming from a run checkpoint)."""
-    parallel = settings.parallel.to_runtime()
+    parallel = settings.parallel
     trainable = optimizer is not None
     loaded = load_model(
         path or settings.path,
