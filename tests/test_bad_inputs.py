@@ -44,6 +44,8 @@ rl: {{num_steps: 2, prompts_per_step: 4}}
 
 TRAIN = ["train", "--config", "{cfg}"]
 
+ENGINE_OF_4_ON_NODES_OF_2 = ["rollout.gpus_per_engine=4", "cluster.gpus_per_node=2"]
+
 CASES = [
     # -- the command line and the config file --------------------------------------------------------------------
     Case("config file missing", ["train", "--config", "{dir}/nope.yaml"], ["config file not found", "nope.yaml"]),
@@ -94,6 +96,11 @@ CASES = [
         "gpus short of tp",
         [*TRAIN, "placement.train_gpus=3"],
         ["does not divide placement.train_gpus=3", "valid train_gpus: 2, 4"],
+    ),
+    Case(
+        "rollout engine wider than a node",
+        [*TRAIN, "rollout.backend=sglang", "rollout.sglang.tp=4", *ENGINE_OF_4_ON_NODES_OF_2],
+        ["rollout.gpus_per_engine=4 spans nodes", "cluster.gpus_per_node=2", "not supported by megarl train yet"],
     ),
     # -- the model -----------------------------------------------------------------------------------------------
     Case("model path missing", [*TRAIN, "model.path={dir}/nomodel"], ["model.path=", "nomodel", "does not exist"]),

@@ -1,8 +1,10 @@
 """GPUs reserved for one or more roles: placement groups of bundles {"GPU": 1, "CPU": c}, ordered by node.
 
-Rank i of a worker group runs in bundle i of its pool. Bundles are ordered by node (by IP), so the ranks of one
-node are contiguous: with 8 GPUs per node, ranks 0..7 share node 0, which is what Megatron's TP groups (consecutive
-ranks) want. Several worker groups may share a pool (colocation), each taking a fraction of every bundle's GPU.
+Rank i of a worker group runs in bundle i of its pool (bundle i * stride for a group with a bundle stride, e.g. one
+rollout worker per multi-GPU engine). Bundles are ordered by node (by IP), so the ranks of one node are contiguous:
+with 8 GPUs per node, ranks 0..7 share node 0, which is what Megatron's TP groups (consecutive ranks) want. Several
+worker groups may share a pool (colocation), each taking a fraction of every bundle's GPU. `bundle_gpu_ids()` tells
+the driver which GPU of which node each bundle holds, for processes that drive several bundles' GPUs themselves.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.cluster.config import PlacementStrategy
 from megarl.cluster.ray_runtime import NodeInfo, cluster_nodes, describe_nodes, ip_sort_key
 from megarl.errors import UserError
 
 _EPS = 1e-6  # Ray keeps resources to 4 decimals: 3 x 1/3 of a GPU must still fit in one
+_PROBE_GPUS = 1e-4  # Ray's smallest GPU share: what a bundle_gpu_ids probe task takes of its bundle
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,23 @@ def order_bundles(placements: list[tuple[int, int, str]], node_ips: dict[str, st
         return (ip_sort_key(node_ips.get(node_id, node_id)), node_id, pg_index, bundle_index)
 
     return [(pg_index, bundle_index) for pg_index, bundle_index, _ in sorted(placements, key=key)]
+
+
+@dataclass(frozen=True)
+class BundleGPUs:
+    """Where one bundle of a pool is: its node and the GPU Ray gave it."""
+
+    node_id: str
+    """Ray node id of the bundle's node."""
+    gpu_ids: tuple[str, ...]
+    """`ray.get_gpu_ids()` of a task in the bundle: entries of the node's CUDA_VISIBLE_DEVICES when Ray was started
+    with it set, else device indices of the node (logical ones on a machine without GPUs)."""
+
+
+def _probe_bundle() -> BundleGPUs:
+    """Run in a bundle: its node and GPU ids (as strings: Ray gives ints or strings depending on the node)."""
+    gpu_ids = tuple(str(gpu_id) for gpu_id in ray.get_gpu_ids())
+    return BundleGPUs(ray.get_runtime_context().get_node_id(), gpu_ids)
 
 
 def local_ranks(node_ids: list[str]) -> list[int]:
@@ -84,6 +105,7 @@ class ResourcePool:
         self.cpus_per_bundle = cpus_per_bundle
         self.strategy = strategy
         self._reservations: dict[int, _Reservation] = {}
+        self._bundle_gpus: list[BundleGPUs] | None = None
         if not ray.is_initialized():
             raise RuntimeError(f"resource pool '{name}': Ray is not running; call megarl.cluster.start_ray first")
         self._check_cluster_can_hold()
@@ -172,18 +194,57 @@ class ResourcePool:
         node_ids = [node_of[place] for place in order]
         return bundles, node_ids, [node_ips.get(node_id, "?") for node_id in node_ids]
 
+    def bundle_gpu_ids(self, timeout_s: float = 120.0) -> list[BundleGPUs]:
+        """For each bundle (rank order), its node and GPU ids: asked once, by one tiny task per bundle, then kept.
+
+        Each probe takes Ray's smallest GPU share (1/10000) and no CPU of its bundle, so ask before worker groups
+        take whole GPUs (colocated shares of 1/k leave nothing over for k = 2, 4, 5, ...). Raises RuntimeError when
+        the probes do not all run within `timeout_s`.
+        """
+        if self._bundle_gpus is not None:
+            return self._bundle_gpus
+        if not self.placement_groups:
+            raise RuntimeError(f"resource pool '{self.name}' was removed")
+        probe = ray.remote(_probe_bundle)
+        refs = [
+            probe.options(
+                num_cpus=0,
+                num_gpus=_PROBE_GPUS,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=bundle_index
+                ),
+                max_retries=0,
+            ).remote()
+            for placement_group, bundle_index in self.bundles
+        ]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            raise RuntimeError(
+                f"resource pool '{self.name}': {len(pending)} of {len(refs)} bundles did not say which GPU they hold "
+                f"within {timeout_s:g} s; a probe needs {_PROBE_GPUS:g} of the bundle's GPU free: ask before worker "
+                f"groups fill the bundles (held now by: {self._holders()})"
+            )
+        self._bundle_gpus = ray.get(refs)
+        return self._bundle_gpus
+
+    def _holders(self) -> str:
+        held = [r for r in self._reservations.values() if r.num_bundles > 0]
+        return ", ".join(f"{r.label} ({r.gpus:g} GPU, {r.cpus:g} CPU)" for r in held) or "nobody"
+
     # -- sharing between worker groups ---------------------------------------------------------------------------
 
     def reserve(self, key: int, label: str, num_bundles: int, gpus: float, cpus: float) -> None:
         """Book `gpus` and `cpus` of each of the first `num_bundles` bundles for a worker group (`key` its id).
 
         Ray would leave workers that do not fit pending forever; booking here turns that into an error naming the
-        groups that already share the pool.
+        groups that already share the pool. (A group with a bundle stride books the span its workers lie in.)
         """
         if num_bundles > self.world_size:
             raise UserError(
-                f"{label} asks for {num_bundles} workers on resource pool '{self.name}', which has "
-                f"{self.world_size} bundles ({self.num_nodes} nodes x {self.gpus_per_node} GPUs)"
+                f"{label} needs the first {num_bundles} bundles of resource pool '{self.name}', which has "
+                f"{self.world_size} ({self.num_nodes} nodes x {self.gpus_per_node} GPUs)"
             )
         if not self.placement_groups:
             raise RuntimeError(f"resource pool '{self.name}' was removed")
@@ -191,7 +252,7 @@ class ResourcePool:
         used_gpus = sum(r.gpus for r in held)
         used_cpus = sum(r.cpus for r in held)
         if used_gpus + gpus > 1 + _EPS or used_cpus + cpus > self.cpus_per_bundle + _EPS:
-            holders = ", ".join(f"{r.label} ({r.gpus:g} GPU, {r.cpus:g} CPU)" for r in held) or "nobody"
+            holders = self._holders()
             raise UserError(
                 f"{label} asks for {gpus:g} GPU and {cpus:g} CPU of each bundle of resource pool '{self.name}' "
                 f"(1 GPU, {self.cpus_per_bundle:g} CPU each), already held by {holders}; colocated groups must "
@@ -216,6 +277,7 @@ class ResourcePool:
         self.placement_groups = []
         self.bundles = []
         self._reservations.clear()
+        self._bundle_gpus = None
 
 
 _STRATEGIES = ("per_node", "pack")

@@ -48,6 +48,10 @@ class WorkerInfo:
 class Worker:
     """Base class of role workers; the group runs one per rank. Subclasses add the role's methods."""
 
+    process_group_backend: str | None = None
+    """The group's torch.distributed backend: None = NCCL with CUDA, gloo without. A worker whose group only
+    coordinates (no tensors on GPUs) sets "gloo": it then claims no CUDA device of its own."""
+
     @property
     def role(self) -> str:
         return os.environ.get(ROLE_ENV, "worker")
@@ -79,10 +83,11 @@ class Worker:
         return ray.util.get_node_ip_address(), port
 
     def init_process_group(self, master_addr: str, master_port: int, timeout_s: float = 1800.0) -> WorkerInfo:
-        """Join the group's torch.distributed world (NCCL with CUDA, gloo without).
+        """Join the group's torch.distributed world (`process_group_backend`: NCCL with CUDA, gloo without).
 
         The torchrun variables are exported too, for libraries that read them; CUDA_VISIBLE_DEVICES stays as Ray
-        assigned it (one device per worker, so the device index is 0 whatever the local rank).
+        assigned it (one device per worker, so the device index is 0 whatever the local rank; rollout workers of
+        multi-GPU engines see the whole node and use gloo).
         """
         import ray
 
@@ -96,6 +101,7 @@ class Worker:
             master_port=master_port,
             local_rank=self.local_rank,
             timeout_s=timeout_s,
+            backend=self.process_group_backend,
         )
         return WorkerInfo(
             role=self.role,

@@ -29,7 +29,7 @@ from megarl.cluster.config import GroupTimeouts
 from megarl.cluster.dispatch import COLLECT_MODES, DISPATCH_MODES, NEEDS_PARALLEL_INFO, check_parallel_infos
 from megarl.cluster.errors import RankFailure, WorkerError, WorkerTimeoutError, clean_traceback
 from megarl.cluster.ray_runtime import thread_env
-from megarl.cluster.resource_pool import ResourcePool
+from megarl.cluster.resource_pool import ResourcePool, local_ranks
 from megarl.cluster.worker import ROLE_ENV, ParallelInfo, Worker, WorkerInfo
 
 _KILL_WAIT_S = 10.0
@@ -65,6 +65,10 @@ class PendingCall:
 class WorkerGroup:
     """`world_size` workers of class `worker_cls` (a `Worker` subclass) on the first bundles of `pool`.
 
+    `bundle_stride` s > 1 puts rank k on bundle k * s instead: each worker stands for s GPUs (bundles k*s ..
+    k*s+s-1), e.g. a rollout engine that starts an s-GPU server of its own. Ray reserves only the worker's bundle;
+    the group books the whole span in the pool, and LOCAL_RANK / LOCAL_WORLD_SIZE count the group's workers on a node.
+
     `num_gpus_per_worker` below one lets groups share the pool's GPUs (colocation: 0.5 each for two roles); each
     worker also reserves that share of its bundle's CPUs unless `num_cpus_per_worker` says otherwise. `env` is
     set in every worker process before `__init__(*init_args, **init_kwargs)` runs. `max_concurrency` is Ray's:
@@ -88,6 +92,7 @@ class WorkerGroup:
         env: dict[str, str] | None = None,
         timeouts: GroupTimeouts | None = None,
         max_concurrency: int | None = None,
+        bundle_stride: int = 1,
     ):
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
             raise TypeError(f"{role}: worker_cls must be a subclass of megarl.cluster.Worker, not {worker_cls!r}")
@@ -95,10 +100,15 @@ class WorkerGroup:
             raise ValueError(f"{role}: num_gpus_per_worker={num_gpus_per_worker} must be in (0, 1]")
         if world_size is not None and world_size < 1:
             raise ValueError(f"{role}: world_size={world_size} must be >= 1 (or None: the pool's size)")
+        if bundle_stride < 1:
+            raise ValueError(f"{role}: bundle_stride={bundle_stride} must be >= 1")
         self.worker_cls = worker_cls
         self.pool = pool
         self.role = role
-        self.world_size = pool.world_size if world_size is None else world_size
+        self.bundle_stride = bundle_stride
+        self.world_size = pool.world_size // bundle_stride if world_size is None else world_size
+        if self.world_size < 1:
+            raise ValueError(f"{role}: bundle_stride={bundle_stride} exceeds the {pool.world_size} bundles of the pool")
         self.num_gpus_per_worker = num_gpus_per_worker
         self.num_cpus_per_worker = (
             pool.cpus_per_bundle * num_gpus_per_worker if num_cpus_per_worker is None else num_cpus_per_worker
@@ -149,11 +159,19 @@ class WorkerGroup:
         workers = f"{self.worker_cls.__name__} x {self.world_size}"
         return f"WorkerGroup({self.role!r}, {workers} on pool {self.pool.name!r}, {state})"
 
+    @property
+    def bundle_indices(self) -> list[int]:
+        """The pool bundle each rank runs in (rank order)."""
+        return [rank * self.bundle_stride for rank in range(self.world_size)]
+
     def _start(self) -> None:
         self._generation += 1
         self._parallel = None
         label = f"role {self.role}"
-        self.pool.reserve(id(self), label, self.world_size, self.num_gpus_per_worker, self.num_cpus_per_worker)
+        if self.bundle_stride > 1:
+            label += f" (bundle_stride={self.bundle_stride})"
+        num_bundles = self.bundle_indices[-1] + 1  # the span the workers lie in
+        self.pool.reserve(id(self), label, num_bundles, self.num_gpus_per_worker, self.num_cpus_per_worker)
         try:
             self.workers = self._build_workers()
             self.worker_info = self._build_process_group()
@@ -165,18 +183,18 @@ class WorkerGroup:
 
     def _build_workers(self) -> list:
         remote_cls = ray.remote(self.worker_cls)
-        node_ids = self.pool.node_ids[: self.world_size]
-        local_ranks = self.pool.local_ranks[: self.world_size]
+        node_ids = [self.pool.node_ids[bundle] for bundle in self.bundle_indices]
+        ranks_on_node = local_ranks(node_ids)
         workers = []
-        for rank in range(self.world_size):
-            placement_group, bundle_index = self.pool.bundles[rank]
+        for rank, bundle in enumerate(self.bundle_indices):
+            placement_group, bundle_index = self.pool.bundles[bundle]
             env = {
                 **thread_env(self.pool.cpus_per_bundle),  # colocated roles take turns: each may use the whole bundle
                 **self.env,
                 ROLE_ENV: self.role,
                 "RANK": str(rank),
                 "WORLD_SIZE": str(self.world_size),
-                "LOCAL_RANK": str(local_ranks[rank]),
+                "LOCAL_RANK": str(ranks_on_node[rank]),
                 "LOCAL_WORLD_SIZE": str(node_ids.count(node_ids[rank])),
             }
             options = dict(

@@ -118,7 +118,8 @@ def _check_engines(result: Placement, engines_gpus: int) -> None:
         else:
             result.notes.append(
                 f"each rollout engine spans {gpe // gpn} nodes: a multi-node SGLang server (--nnodes {gpe // gpn}); "
-                "its tensor-parallel traffic crosses the inter-node network"
+                "its tensor-parallel traffic crosses the inter-node network. megarl train does not launch "
+                "multi-node engines yet (it stops at pre-flight)"
             )
     elif gpn % gpe:
         result.problems.append(

@@ -37,6 +37,11 @@ exceeds it; a prefix that already fills it comes back at once with finish_reason
 pause_mode), open SGLang's weight-update session (/begin_weight_update, absent on older SGLang), load the buckets
 (colocated: update_weights_from_tensor from this process; split: an SGLangWeightSender on the trainer broadcasts,
 and apply_bucket is not used), close the session, set the version, flush the radix cache, continue generation.
+
+**GPUs.** An engine launched with `gpu_ids` (a tp > 1 engine: the rollout worker sees all of its node's GPUs and
+gets its engine's ids from the driver) runs its server on exactly those GPUs; the colocated transport then puts
+tensor-parallel rank r's payload on the engine's GPU r (where SGLang runs rank r: --base-gpu-id 0, step 1), numbered
+as this process sees it (`visible_device_index`).
 """
 
 from __future__ import annotations
@@ -63,7 +68,14 @@ from megarl.rollout.sglang_server import (
 )
 from megarl.rollout.sglang_weights import Serializer, SGLangEndpoint, send_flattened_bucket, sglang_serializer
 
-__all__ = ["SGLangEngine", "Slot", "build_generate_payload", "check_request", "parse_completion"]
+__all__ = [
+    "SGLangEngine",
+    "Slot",
+    "build_generate_payload",
+    "check_request",
+    "parse_completion",
+    "visible_device_index",
+]
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -143,6 +155,27 @@ def check_request(i: int, request: GenerateRequest) -> None:
         )
 
 
+def visible_device_index(gpu_id: int | str, visible_devices: str | None) -> int:
+    """The CUDA device index under which this process sees GPU `gpu_id`.
+
+    `gpu_id` is as Ray gives it (an entry of the node's CUDA_VISIBLE_DEVICES, or the node's device index when that is
+    unset); `visible_devices` is this process's CUDA_VISIBLE_DEVICES: when set, the index is the id's position in
+    it, else the id is the index.
+    """
+    if visible_devices is None:
+        try:
+            return int(gpu_id)
+        except ValueError:
+            raise ValueError(f"GPU id {gpu_id!r} is not a device index and CUDA_VISIBLE_DEVICES is unset") from None
+    entries = [entry.strip() for entry in visible_devices.split(",")]
+    if str(gpu_id).strip() not in entries:
+        raise ValueError(
+            f"GPU {gpu_id} is not visible to this process (CUDA_VISIBLE_DEVICES={visible_devices!r}): a worker driving "
+            f"a multi-GPU engine must see its node's GPUs (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1)"
+        )
+    return entries.index(str(gpu_id).strip())
+
+
 def _version_of(value: Any, default: int) -> int:
     """SGLang's weight version (a string) as megarl's integer; anything else (e.g. its initial "default") -> default."""
     try:
@@ -204,7 +237,9 @@ class SGLangEngine(RolloutEngine):
     `host` (the node's address when a trainer on another node sends weights; `port` None picks a free one) and waits
     until it is healthy; with `url`, drives a server that is already running. `weight_sync` says how weights arrive:
     `tensor` (colocated: apply_bucket sends CUDA IPC handles from this process) or `distributed` (split placement:
-    an SGLangWeightSender on the trainer broadcasts them; pass `endpoint` to it).
+    an SGLangWeightSender on the trainer broadcasts them; pass `endpoint` to it). The IPC handles point at
+    `ipc_device` (default: the engine's first GPU given `gpu_ids`, else the current CUDA device); given `gpu_ids`
+    and no `ipc_device`, each tensor-parallel rank gets a copy on its own GPU (`ipc_rank_devices`).
     """
 
     def __init__(
@@ -214,7 +249,7 @@ class SGLangEngine(RolloutEngine):
         *,
         host: str = "127.0.0.1",
         port: int | None = None,
-        gpu_ids: Sequence[int] | None = None,
+        gpu_ids: Sequence[int | str] | None = None,
         log_path: str | os.PathLike | None = None,
         url: str | None = None,
         weight_sync: Literal["tensor", "distributed"] = "tensor",
@@ -225,7 +260,13 @@ class SGLangEngine(RolloutEngine):
         self.config = config
         self.weight_sync = weight_sync
         self.serializer = serializer
-        if ipc_device is None and torch.cuda.is_available():
+        self.ipc_rank_devices: list[torch.device] | None = None
+        """Where tensor-parallel rank r's IPC payload lies (the engine's GPU r); None: every rank reads ipc_device."""
+        if ipc_device is None and gpu_ids is not None and weight_sync == "tensor":
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            self.ipc_rank_devices = [torch.device("cuda", visible_device_index(i, visible)) for i in gpu_ids]
+            ipc_device = self.ipc_rank_devices[0]
+        elif ipc_device is None and torch.cuda.is_available():
             ipc_device = torch.device("cuda", torch.cuda.current_device())
         self.ipc_device = ipc_device
         self.weight_version = 0
@@ -299,6 +340,7 @@ class SGLangEngine(RolloutEngine):
             num_ranks=self.config.num_gpus(),
             serializer=self.serializer,
             device=self.ipc_device,
+            rank_devices=self.ipc_rank_devices,
         )
 
     def finish_weight_update(self, version: int) -> None:

@@ -6,7 +6,9 @@ records SGLang's `FlattenedTensorBucket` rebuilds tensors from (sglang 0.5.23, `
 the receiving side is `_update_weights_from_flattened_bucket` in `srt/model_executor/model_runner_components/
 weight_updater.py`). Offsets count elements of the part's own dtype, which both receiver generations read right:
 older SGLang slices and reshapes, 0.5.23 slices, views as `dtype` (a no-op here) and reshapes. The flattening and
-its inverse are megarl's own (`flatten_by_dtype`, `unflatten`).
+its inverse are megarl's own (`flatten_by_dtype`, `unflatten`). A request holds one payload per tensor-parallel rank
+of the server (each rank's scheduler takes `serialized_named_tensors[tp_rank]`, srt/managers/tp_worker.py); each
+rank loads the whole tensor and keeps its own shard, so every payload describes the same bucket.
 
 The payload itself is a pickle stream that SGLang decodes with its own `MultiprocessingSerializer` (ForkingPickler
 with a class allow-list); CUDA tensors travel as CUDA IPC handles whose device is rewritten to the GPU's UUID by
@@ -172,18 +174,29 @@ def send_flattened_bucket(
     num_ranks: int,
     serializer: Serializer = sglang_serializer,
     device: torch.device | str | None = None,
+    rank_devices: Sequence[torch.device | str] | None = None,
 ) -> None:
     """Load one bucket into the server at `client` through update_weights_from_tensor, one call per dtype.
 
-    Every tensor-parallel rank of the server reads the same tensor (CUDA IPC to the sender's GPU, same node), each
-    through a payload serialized for it: torch counts the IPC references it hands out, one per serialization. The
-    flattened tensor stays referenced until the server has answered, i.e. has copied it into its weights.
+    SGLang's request carries one payload per tensor-parallel rank; rank r loads `serialized_named_tensors[r]`
+    (its scheduler's `update_weights_from_tensor`), so there are `num_ranks` (the server's tp) payloads, each
+    serialized for its rank: torch counts the IPC references it hands out, one per serialization. Without
+    `rank_devices` every payload points at the one copy on `device` (as SGLang's own Engine does: ranks on other
+    GPUs read it across devices, opening a CUDA context on that GPU each); with them, rank r's payload points at a
+    copy on `rank_devices[r]`, the GPU that rank runs on, so every rank loads from its own GPU. The flattened tensors
+    stay referenced until the server has answered, i.e. has copied them into its weights.
     """
-    for part in flatten_by_dtype(bucket, device):
-        payloads = [serializer(part) for _ in range(num_ranks)]
+    if rank_devices is not None and len(rank_devices) != num_ranks:
+        raise ValueError(f"rank_devices={list(rank_devices)} must name one device per rank ({num_ranks})")
+    first_device = device if rank_devices is None else rank_devices[0]
+    for part in flatten_by_dtype(bucket, first_device):
+        if rank_devices is None:
+            copies = [part] * num_ranks
+        else:  # from the first GPU on: device-to-device copies, no second trip over the host link
+            copies = [FlatBucket(part.flat.to(rank_device), part.entries) for rank_device in rank_devices]
+        payloads = [serializer(copy) for copy in copies]
         client.update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=False)
-        del payloads
-        del part
+        del payloads, copies, part
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # release IPC blocks the server has let go of
 

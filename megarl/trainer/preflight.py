@@ -60,7 +60,7 @@ def preflight(config: JobConfig) -> None:
     gpus = config.placement.train_gpus
     for name, role in used_roles(config).items():
         key = f"{name}.model.parallel"
-        parallel = role.model.parallel.to_runtime()
+        parallel = role.model.parallel
         check_parallel_layout(arch, hf_config, parallel, prefix=f"{key}.")
         model_parallel = parallel.model_parallel_size
         if gpus % model_parallel:
@@ -81,6 +81,13 @@ def preflight(config: JobConfig) -> None:
                 f"rm.batch_size={config.rm.batch_size} must be a multiple of the reward model's data-parallel size "
                 f"{dp} (each rank trains on whole pairs)"
             )
+    engine_gpus, node_gpus = config.rollout.gpus_per_engine, config.cluster.gpus_per_node
+    if node_gpus is not None and engine_gpus > node_gpus:
+        raise UserError(
+            f"rollout.gpus_per_engine={engine_gpus} spans nodes (cluster.gpus_per_node={node_gpus}): multi-node "
+            f"rollout engines (SGLang --nnodes) are not supported by megarl train yet; use an engine of at most "
+            f"{node_gpus} GPUs (`megarl plan` still sizes multi-node layouts)"
+        )
     _check_memory(config)
     if config.placement.mode == "colocated" and gpus % config.rollout.gpus_per_engine:
         raise UserError(

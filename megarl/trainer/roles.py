@@ -3,21 +3,30 @@
 Placement (config `placement`): colocated — every role's workers share the training GPUs (each worker reserves
 1/k of its GPU for k roles; the roles take turns, handing memory over by offloading); split — the rollout engines
 get GPUs of their own (asynchronous RL needs this). Each training role is one SPMD group of `train_gpus` workers.
+
+A rollout engine of g = rollout.gpus_per_engine GPUs has one worker, on the first of its g consecutive bundles
+(a group with bundle stride g); that worker sees all of its node's GPUs (Ray leaves CUDA_VISIBLE_DEVICES alone) and
+starts the engine on the GPU ids of its g bundles, which the driver asks the pool for (`assign_engine_gpus`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from megarl.cluster.config import ClusterConfig
-from megarl.cluster.resource_pool import ResourcePool
+from megarl.cluster.resource_pool import BundleGPUs, ResourcePool
 from megarl.cluster.worker_group import WorkerGroup
 from megarl.config.job import JobConfig, RoleConfig
+from megarl.errors import UserError
 from megarl.workers.megatron_worker import MegatronWorker
 from megarl.workers.rollout_worker import RolloutWorker
+
+NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+"""Set to 1 in a worker's environment, Ray leaves its CUDA_VISIBLE_DEVICES as the node's: the worker sees every GPU."""
 
 
 @dataclass
@@ -29,6 +38,8 @@ class Roles:
     reward_model: WorkerGroup | None
     pools: list[ResourcePool]
     colocated: bool
+    engine_gpu_ids: list[list[str]] | None = None
+    """GPU ids of each rollout engine (rank order) when engines have several GPUs; None: one GPU, the worker's."""
 
     def training_groups(self) -> list[WorkerGroup]:
         return [g for g in (self.actor, self.critic, self.ref, self.reward_model) if g is not None]
@@ -72,6 +83,29 @@ def _pool(name: str, num_gpus: int, cluster: ClusterConfig, cpus: float) -> Reso
     )
 
 
+def assign_engine_gpus(bundles: list[BundleGPUs], gpus_per_engine: int) -> list[list[str]]:
+    """GPU ids of each rollout engine: engine k gets those of bundles k*g .. k*g+g-1 (g = gpus_per_engine), which
+    must lie on one node. `bundles` is the rollout pool's `bundle_gpu_ids()`, in rank order."""
+    g, num_gpus = gpus_per_engine, len(bundles)
+    if g < 1 or num_gpus % g:
+        valid = ", ".join(str(d) for d in range(1, num_gpus + 1) if num_gpus % d == 0)
+        raise UserError(f"rollout.gpus_per_engine={g} does not divide the {num_gpus} rollout GPUs; valid: {valid}")
+    engines = []
+    for k in range(num_gpus // g):
+        own = bundles[k * g : (k + 1) * g]
+        if len({bundle.node_id for bundle in own}) > 1:
+            per_node = list(Counter(bundle.node_id for bundle in bundles).values())
+            valid = ", ".join(str(d) for d in range(1, num_gpus + 1) if all(n % d == 0 for n in per_node))
+            first, last = k * g, k * g + g - 1
+            raise UserError(
+                f"rollout.gpus_per_engine={g}: engine {k} would span nodes (its GPUs are bundles {first}..{last} of "
+                f"the rollout pool, whose nodes hold {', '.join(map(str, per_node))} GPUs); engines spanning nodes "
+                f"are not supported yet: gpus_per_engine must divide the GPUs per node; valid: {valid}"
+            )
+        engines.append([gpu_id for bundle in own for gpu_id in bundle.gpu_ids])
+    return engines
+
+
 def _share(num_roles: int) -> float:
     """The GPU fraction each of `num_roles` colocated workers reserves (rounded down to Ray's precision)."""
     return int(10_000 / num_roles) / 10_000
@@ -102,16 +136,22 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
     def group(role: str) -> WorkerGroup:
         return WorkerGroup(MegatronWorker, train_pool, role, num_gpus_per_worker=share, env=env, timeouts=timeouts)
 
+    gpus_per_engine = config.rollout.gpus_per_engine
+    engine_gpu_ids, rollout_env = None, env
+    if gpus_per_engine > 1:  # asked before any group takes the pool's GPUs (the probes need a sliver of each)
+        engine_gpu_ids = assign_engine_gpus(rollout_pool.bundle_gpu_ids(), gpus_per_engine)
+        rollout_env = {**env, NOSET_CUDA_VISIBLE_DEVICES: "1"}
     groups = {role: group(role) for role in train_roles}
-    num_engines = rollout_pool.world_size // config.rollout.gpus_per_engine
+    num_engines = rollout_pool.world_size // gpus_per_engine
     rollout = WorkerGroup(
         RolloutWorker,
         rollout_pool,
         "rollout",
         world_size=num_engines,
         num_gpus_per_worker=rollout_share,
-        env=env,
+        env=rollout_env,
         timeouts=timeouts,
+        bundle_stride=gpus_per_engine,
     )
     roles = Roles(
         actor=groups["actor"],
@@ -121,6 +161,7 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
         reward_model=groups.get("reward_model"),
         pools=pools,
         colocated=colocated,
+        engine_gpu_ids=engine_gpu_ids,
     )
     setup_roles(config, roles, rl_optimizer_steps, resume)
     return roles
@@ -134,7 +175,7 @@ def setup_roles(config: JobConfig, roles: Roles, rl_optimizer_steps: int, resume
     actor_steps = config.sft.num_steps if first_stage == "sft" else rl_optimizer_steps
     pending = [
         _setup(roles.actor, config.actor, "lm", actor_optim, actor_steps, seed, resume, "actor"),
-        roles.rollout.async_call("setup", config.model.path, config.rollout),
+        _setup_rollout(roles.rollout, config, roles.engine_gpu_ids),
     ]
     if roles.critic is not None:
         pending.append(
@@ -150,6 +191,14 @@ def setup_roles(config: JobConfig, roles: Roles, rl_optimizer_steps: int, resume
         )
     for call in pending:
         call.result()
+
+
+def _setup_rollout(group: WorkerGroup, config: JobConfig, engine_gpu_ids: list[list[str]] | None):
+    if engine_gpu_ids is None:
+        return group.async_call("setup", config.model.path, config.rollout)
+    num_engines = len(engine_gpu_ids)
+    paths, rollouts = [config.model.path] * num_engines, [config.rollout] * num_engines
+    return group.async_call("setup", paths, rollouts, gpu_ids=engine_gpu_ids, dispatch="per_rank")
 
 
 def _setup(

@@ -3,6 +3,10 @@
 Engines are independent replicas: the controller splits requests among them. Weight updates arrive from the
 actor's sending ranks as buckets (workers/weight_sync.py), framed by begin/finish calls from the controller.
 
+An engine of several GPUs (rollout.gpus_per_engine > 1) has one worker, on the first of its bundles; the worker
+sees the node's GPUs (trainer/roles.py) and `setup` gets the engine's GPU ids, which go to engines whose
+constructor takes `gpu_ids`.
+
 Calls run on threads (`max_concurrency`), so that `abort`, `health` and `weight_version` reach the worker while a
 `generate` runs (asynchronous RL interrupts generation for weight syncs); every other engine call takes `_lock`,
 so those still run one at a time, as on a single-threaded worker.
@@ -10,11 +14,14 @@ so those still run one at a time, as on a single-threaded worker.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from megarl.cluster.worker import Worker
+from megarl.errors import UserError
 from megarl.rollout.config import RolloutConfig, SamplingParams
 from megarl.rollout.engine import Bucket, Completion, GenerateRequest, RolloutEngine, SyncStats
 from megarl.runtime import faults
@@ -25,16 +32,30 @@ ENGINES = {
 }
 
 
-def build_engine(backend: str, model_path: str, config: RolloutConfig, **kwargs: Any) -> RolloutEngine:
+def build_engine(
+    backend: str, model_path: str, config: RolloutConfig, gpu_ids: Sequence[str] | None = None, **kwargs: Any
+) -> RolloutEngine:
+    """The `backend` engine on `model_path`; `gpu_ids` (the engine's GPUs, as Ray numbers them) go to engines whose
+    constructor takes them, and are an error for the others."""
     import importlib
 
     module_name, class_name = ENGINES[backend].split(":")
     engine_cls = getattr(importlib.import_module(module_name), class_name)
     engine_config = getattr(config, backend)
+    if gpu_ids is not None:
+        if "gpu_ids" not in inspect.signature(engine_cls).parameters:
+            raise UserError(
+                f"rollout.backend={backend!r} runs on the one GPU of its worker, but was given GPUs {list(gpu_ids)}; "
+                f"rollout.gpus_per_engine must be 1 for it"
+            )
+        kwargs["gpu_ids"] = list(gpu_ids)
     return engine_cls(model_path, engine_config, **kwargs)
 
 
 class RolloutWorker(Worker):
+    process_group_backend = "gloo"
+    """The engines run in their own processes; the group itself only coordinates (and an engine of several GPUs
+    sees the whole node, so a NCCL device per worker would be a stray CUDA context)."""
     max_concurrency = 8
     """Calls at once (WorkerGroup's default for this class): a generate call, an abort, health checks, the weight
     buckets in flight (two per sending rank) and an evaluation waiting for the engine."""
@@ -42,9 +63,10 @@ class RolloutWorker(Worker):
     def __init__(self):
         self._lock = threading.Lock()
 
-    def setup(self, model_path: str, config: RolloutConfig) -> dict[str, Any]:
+    def setup(self, model_path: str, config: RolloutConfig, gpu_ids: Sequence[str] | None = None) -> dict[str, Any]:
         """Start the engine on `model_path`; a megarl checkpoint gives its HF config and tokenizer only (the
-        weights arrive with the first sync)."""
+        weights arrive with the first sync). `gpu_ids`: the engine's GPUs, for an engine of several (None: the
+        engine uses what this worker sees)."""
         from transformers.utils import logging as hf_logging
 
         from megarl.checkpoint.model_io import hf_config_dir
@@ -52,7 +74,7 @@ class RolloutWorker(Worker):
         hf_logging.disable_progress_bar()  # one bar per engine in the driver's log says nothing
         start = time.perf_counter()
         with self._lock:
-            self.engine = build_engine(config.backend, str(hf_config_dir(model_path)), config)
+            self.engine = build_engine(config.backend, str(hf_config_dir(model_path)), config, gpu_ids)
             self._sync_start = 0.0
             self._sync_tensors = self._sync_bytes = 0
         return {"seconds": time.perf_counter() - start}
