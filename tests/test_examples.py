@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 
@@ -41,3 +43,27 @@ def test_custom_dataset_loads_through_the_job_config(tmp_path):
     dataset = PromptDataset(config.data, build_char_tokenizer(), "train")
     sample = dataset.samples[0]
     assert sample.text == "Q: What is 2 * 3? A:" and sample.label == "6" and sample.meta == {"problem.source": "drill"}
+
+
+@pytest.mark.slow
+def test_the_shipped_quickstart_config_runs_both_stages(tmp_path):
+    """configs/quickstart.yaml as the README runs it (from the repository root), shortened: every stage, the model
+    build, evaluation and a checkpoint. Its full numbers are in the README, measured by hand (too long for CI)."""
+    from job_helpers import megarl_train
+
+    from megarl.trainer.metrics import read_metrics
+
+    run = tmp_path / "run"
+    overrides = [
+        f"run.dir={run}",
+        f"model.path={tmp_path / 'model'}",
+        "sft.num_steps=4",
+        "rl.num_steps=2",
+        "checkpoint.every=2",
+    ]
+    megarl_train(REPO / "configs/quickstart.yaml", *overrides, "rl.eval_every=2", "data.eval_max_samples=32")
+    records = read_metrics(run)
+    assert [r["step"] for r in records if "sft/loss" in r] == [1, 2, 3, 4]
+    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+    assert len(evals) == 2 and all(0.0 <= accuracy <= 1.0 for accuracy in evals)  # after SFT, after GRPO
+    assert (run / "checkpoints" / "latest").is_file() and (run / "plots" / "reward.png").is_file()

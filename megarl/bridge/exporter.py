@@ -25,11 +25,19 @@ def _dtype_lookup(hf_dtypes: torch.dtype | Mapping[str, torch.dtype]) -> Callabl
 
 
 def _gather_shards(binding: Binding, size: int, group) -> list[torch.Tensor]:
+    """The TP shards of a parameter on the group's rank 0 (the one that sends), [] on the others. A gather, not an
+    all-gather: only the sender needs them (tools/bench/refit.py: half the traffic, no buffers on the others)."""
     param = binding.param.detach()
     if binding.mapping.tp_dim is None or size == 1:
         return [param]
-    shards = [torch.empty_like(param) for _ in range(size)]
-    dist.all_gather(shards, param.contiguous(), group=group)
+    param = param.contiguous()
+    if dist.get_rank(group) != 0:
+        dist.send(param, dst=dist.get_global_rank(group, 0), group=group)
+        return []
+    shards = [param]
+    for group_rank in range(1, size):  # point to point: gloo's gather was 2.5x slower here (tools/bench/refit.py)
+        shards.append(torch.empty_like(param))
+        dist.recv(shards[-1], src=dist.get_global_rank(group, group_rank), group=group)
     return shards
 
 

@@ -25,6 +25,7 @@ from megarl.errors import UserError
 from megarl.rollout.config import RolloutConfig, SamplingParams
 from megarl.rollout.engine import Bucket, Completion, GenerateRequest, RolloutEngine, SyncStats
 from megarl.runtime import faults
+from megarl.workers.bucket_transport import PackedTensor, unpack_bucket
 
 ENGINES = {
     "hf": "megarl.rollout.hf_engine:HFEngine",
@@ -98,6 +99,10 @@ class RolloutWorker(Worker):
             self._sync_start = time.perf_counter()
             self._sync_tensors = self._sync_bytes = 0
             self.engine.begin_weight_update(version)
+
+    def apply_packed_bucket(self, packed: list[PackedTensor]) -> None:
+        """A bucket as `send_weights` ships it (megarl/workers/bucket_transport.py)."""
+        self.apply_bucket(unpack_bucket(packed))
 
     def apply_bucket(self, bucket: Bucket) -> None:
         with self._lock:

@@ -1,0 +1,87 @@
+"""Smoke tests of the benchmarks in tools/bench/: each runs end to end at a tiny size and reports what it should.
+
+No timing is checked here (benchmarks are not tests; their numbers live in tools/bench/README.md).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "tools" / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench_modules():
+    """The benchmark scripts, imported by file name (their rank-side functions are found the same way by the
+    spawned rank processes, which inherit sys.path)."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import refit
+        import train_step
+
+        yield train_step, refit
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+
+
+def test_train_step_benchmark_runs_at_a_tiny_size(bench_modules, tmp_path):
+    train_step, _ = bench_modules
+    out = tmp_path / "train_step.json"
+    argv = ["--tiny", "--models", "dense", "--layouts", "tp2", "--rows", "2", "--seq", "32"]
+    results = train_step.main([*argv, "--warmup", "0", "--reps", "1", "--json", str(out)])
+    (run,) = results[0]["runs"]
+    for side in ("megarl", "plain"):
+        for phase in ("logprobs", "update"):
+            assert run[side][phase]["seconds"] > 0
+            assert run[side][phase]["tokens_per_s"] > 0
+    assert len(run["megarl"]["rss_peak_gb"]) == 2  # one per rank
+    assert out.is_file()
+
+
+def test_moe_layouts_report_what_megatron_cannot_run(bench_modules):
+    """MoE training at TP=2 needs sequence parallelism, which Megatron's torch norms refuse on CPU: the benchmark
+    says so in the table instead of failing."""
+    train_step, _ = bench_modules
+    row = train_step.summarize(
+        "megarl TP=2",
+        "2 x 1",
+        [
+            {"logprobs": {"seconds": [1.0]}, "update": {"error": "ValueError: no"}, "rss_peak": 1.0, "rss_model": 0.5}
+            for _ in range(2)
+        ],
+        num_tokens=10,
+    )
+    plain = train_step.summarize(
+        "plain",
+        "2",
+        [{"logprobs": {"seconds": [0.5]}, "update": {"seconds": [2.0]}, "rss_peak": 1.0, "rss_model": 0.5}],
+        10,
+    )
+    lines = train_step.table(
+        {
+            "model": "moe",
+            "params_m": 1,
+            "active_params_m": 1,
+            "tokens": 10,
+            "runs": [{"layout": "tp2", "megarl": row, "plain": plain}],
+        }
+    )
+    assert "cannot run: `ValueError: no`" in lines[3]
+    assert "| 1.00 | 10 | 2.00 |" in lines[3]
+
+
+@pytest.mark.slow
+def test_refit_benchmark_runs_at_a_tiny_size(bench_modules, tmp_path):
+    _, refit = bench_modules
+    out = tmp_path / "refit.json"
+    result = refit.main(["--tiny", "--bucket-mb", "0.0625", "--warmup", "0", "--reps", "1", "--json", str(out)])
+    (row,) = result["rows"]
+    assert result["sent_bytes"] > 0.9 * result["model_bytes"]  # the safetensors file adds a header
+    for path in ("sync", "before", "numpy", "now"):
+        assert row[path]["seconds"] > 0
+        assert set(row[path]["extra_memory"]) == {"actor rank 0", "actor rank 1", "engine"}
+    assert row["now"]["returned"][0]["buckets"] > 1  # 64 KiB buckets: the stream is cut
+    assert out.is_file()
