@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -115,7 +116,8 @@ def test_init_distributed_from_the_torchrun_environment():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, str(script)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
-    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank="))
+    # The two ranks share stdout: a line of one may land in the middle of the other's, so read records, not lines.
+    lines = sorted(re.findall(r"rank=\d+ world=\d+ local_rank=\d+ backend=\w+ sum=\d+", out.stdout))
     assert lines == [
         "rank=0 world=2 local_rank=0 backend=gloo sum=1",
         "rank=1 world=2 local_rank=1 backend=gloo sum=1",

@@ -93,9 +93,13 @@ def split_micro_batches(
         rows = [u * unit + k for u in units for k in range(unit) if u * unit + k < len(lengths)]
         part = batch.select(rows) if shape.fixed_shape else batch.select(rows).trim()
         micro_batches.append(MicroBatch(rows, dict(part.tensors)))
-    if shape.fixed_shape:  # the last group may be short: pad it with zero-weight rows to the common row count
-        rows_per_micro_batch = max(budget // width, 1) * unit
-        micro_batches = [_pad_rows(mb, rows_per_micro_batch) for mb in micro_batches]
+    if shape.fixed_shape:  # short groups get zero-weight rows up to the common row count
+        # The largest group, not the budget's row count: a rank with fewer rows than the budget allows would
+        # otherwise compute mostly padding (8x on the expert-parallel benchmark of tools/bench/train_step.py).
+        units_per_micro_batch = max(len(units) for units in groups)
+        if shape.agree_across_ranks:
+            units_per_micro_batch = _agree_max(units_per_micro_batch)
+        micro_batches = [_pad_rows(mb, units_per_micro_batch * unit) for mb in micro_batches]
     count = len(micro_batches)
     if shape.agree_across_ranks:
         count = _agree_max(count)
