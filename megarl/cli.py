@@ -87,6 +87,12 @@ def _run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """What `train` and `plan` both take: a job config and overrides on its keys."""
+    parser.add_argument("--config", required=True, help="the job's YAML file (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
+
+
 def _add_train(commands) -> None:
     train = commands.add_parser(
         "train",
@@ -94,8 +100,7 @@ def _add_train(commands) -> None:
         description="Run the stages of a job config. Overrides are key=value pairs on config keys, e.g. "
         "rl.num_steps=10 actor.model.parallel.tp=2. A run folder with checkpoints resumes from the latest one.",
     )
-    train.add_argument("--config", required=True, help="the job's YAML file (see configs/)")
-    train.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    _add_job_arguments(train)
     train.set_defaults(run=_run_train)
 
 
@@ -114,8 +119,7 @@ def _add_plan(commands) -> None:
         description="Print per role the parallel layout and the memory per GPU at its peak, where each role runs, "
         "and an estimate of one weight sync; exit 1 when something does not fit, naming the role and by how much.",
     )
-    plan.add_argument("--config", required=True, help="the job's YAML file")
-    plan.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    _add_job_arguments(plan)
     plan.set_defaults(run=_run_plan)
 
 
