@@ -92,6 +92,25 @@ def save_at_layout(path: str, layout: tuple[int, int, int], dst: str) -> None:
     save_model(load_model(path, parallel, torch.float32), dst)
 
 
+def save_after_deleting_the_source(path: str, dst: str) -> None:
+    """Load a megarl checkpoint, delete its folder (as checkpoint rotation does while a resumed run lives on), save."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from megarl.checkpoint.model_io import load_model, save_model
+    from megarl.runtime.distributed import init_model_parallel
+    from megarl.runtime.parallel import ParallelConfig
+
+    init_model_parallel(ParallelConfig())
+    model = load_model(path, ParallelConfig(), torch.float32)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path)
+    dist.barrier()
+    save_model(model, dst)
+
+
 def megatron_routing(path: str, layout, input_ids: torch.Tensor):
     """Load at `layout` and run forward; {global layer id: bool [tokens, experts]} of the experts each token was
     routed to (tokens batch-major, as HF flattens them), from one TP/DP rank per pipeline stage."""

@@ -8,7 +8,16 @@ import shutil
 
 import pytest
 import torch
-from helpers import exported_weights, hf_logits, layout_id, megatron_logits, one_result, sample_ids, save_at_layout
+from helpers import (
+    exported_weights,
+    hf_logits,
+    layout_id,
+    megatron_logits,
+    one_result,
+    sample_ids,
+    save_after_deleting_the_source,
+    save_at_layout,
+)
 from safetensors.torch import load_file, save_file
 from test_convert import assert_same_checkpoint, round_trip
 
@@ -76,6 +85,23 @@ def test_multi_token_prediction_layers_are_carried_through(ranks1, ranks4, hf_ch
     ids = sample_ids(1000)
     logits = one_result(ranks4.run(megatron_logits, str(mcore), P(ep=2), ids))
     assert (logits - hf_logits(hf_checkpoint("tiny-deepseek-v3"), ids)).abs().max().item() < 1e-4
+
+
+def test_a_model_saves_whole_after_the_checkpoint_it_was_loaded_from_is_deleted(ranks1, hf_checkpoint, tmp_path):
+    """What a resumed run does once rotation deletes its resume checkpoint: side files and carried tensors were
+    captured at load time, so the next save still holds them, byte for byte."""
+    src = private_copy(hf_checkpoint, tmp_path)
+    edit_weights(src, add_mtp_layer)
+    mcore, doomed, saved = tmp_path / "mcore", tmp_path / "doomed", tmp_path / "saved"
+    ranks1.run(convert_hf_to_mcore, str(src), str(mcore), P(), show_progress=False)
+    shutil.copytree(mcore, doomed)
+    ranks1.run(save_after_deleting_the_source, str(doomed), str(saved))
+    assert not doomed.exists()
+    for sub in ("hf", "hf_extra"):
+        names = sorted(p.name for p in (mcore / sub).iterdir())
+        assert names and names == sorted(p.name for p in (saved / sub).iterdir())
+        assert all((mcore / sub / n).read_bytes() == (saved / sub / n).read_bytes() for n in names)
+    assert json.loads((saved / "megarl.json").read_text())["source"] == str(src)  # the origin, not the step folder
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from job_helpers import REPO, megarl_train, metrics, write_config
 
 sys.path.insert(0, str(REPO / "tools" / "faults"))
-from kill_resume import KillPoint, check_checkpoints, compare, kill_and_resume, read_steps
+from kill_resume import Kill, Scenario, check_checkpoints, compare, read_steps, run_scenario
 
 SMALL = ["rl.prompts_per_step=4", "checkpoint.every=2", "checkpoint.keep=3"]
 
@@ -27,16 +27,46 @@ def uninterrupted(tmp_path_factory):
     return config, work, read_steps(work / "uninterrupted")
 
 
+ROTATING = ["rl.prompts_per_step=4", "checkpoint.every=2", "checkpoint.keep=1"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "point",
-    [KillPoint("checkpoint.roles_written", 2), KillPoint("checkpoint.renamed", 1)],
-    ids=lambda p: p.describe(),
+    "scenario, overrides",
+    [
+        (Scenario((Kill("checkpoint.roles_written", 2),)), SMALL),
+        (Scenario((Kill("checkpoint.rotating", 1),)), ROTATING),
+    ],
+    ids=["roles_written", "rotating"],
 )
-def test_a_driver_killed_mid_checkpoint_resumes_with_the_same_numbers(uninterrupted, point):
+def test_a_driver_killed_mid_checkpoint_resumes_with_the_same_numbers(uninterrupted, scenario, overrides):
     config, work, reference = uninterrupted
-    code, problems = kill_and_resume(config, work, point, reference, SMALL)
-    assert code == -9  # SIGKILL: nothing was flushed or cleaned up
+    codes, problems, _ = run_scenario(config, work, scenario, reference, overrides)
+    assert codes == [-9]  # SIGKILL: nothing was flushed or cleaned up
+    assert not problems, problems
+
+
+@pytest.mark.slow
+def test_a_resume_chain_outlives_the_rotation_of_its_resume_checkpoint(uninterrupted):
+    """Killed after its 2nd checkpoint, resumed, killed again mid-update two steps later (by then rotation with
+    keep=1 has deleted the checkpoint the first resume loaded from), resumed again: finishes with the same numbers.
+    Before the fix, the second resumed run's next save crashed copying the deleted folder's HF side files."""
+    config, work, reference = uninterrupted
+    chain = Scenario((Kill("checkpoint.latest_updated", 2), Kill("phase.update", 2)))
+    overrides = ["rl.prompts_per_step=4", "checkpoint.every=1", "checkpoint.keep=1"]
+    codes, problems, rotated = run_scenario(config, work, chain, reference, overrides)
+    assert codes == [-9, -9] and rotated
+    assert not problems, problems
+    assert sorted(p.name for p in (work / chain.slug() / "checkpoints").iterdir()) == ["latest", "step_6"]
+
+
+@pytest.mark.slow
+def test_one_worker_process_killed_mid_sync_restarts_the_run_with_the_same_numbers(uninterrupted):
+    config, work, reference = uninterrupted
+    codes, problems, _ = run_scenario(
+        config, work, Scenario((Kill("actor.sync", 3, target="worker"),)), reference, SMALL
+    )
+    assert codes == [0]  # the driver restarted its roles from the last checkpoint by itself
     assert not problems, problems
 
 
@@ -71,7 +101,11 @@ def test_non_finite_gradients_skip_the_update_and_stop_after_too_many(uninterrup
     assert [s["actor/skipped"] for s in steps] == [0, 1, 0, 0, 0, 0]
     assert "step 2: non-finite loss or gradients in actor" in out.stdout + out.stderr
     strict = megarl_train(
-        config, f"run.dir={tmp_path / 'b'}", *SMALL, "rl.max_consecutive_bad_steps=1", env=faults, check=False
+        config, f"run.dir={tmp_path / 'b'}", *SMALL, "actor.optim.max_consecutive_skips=1", env=faults, check=False
     )
-    assert strict.returncode == 1 and "non-finite loss or gradients" in strict.stderr
+    assert strict.returncode == 1
+    message = strict.stderr
+    assert "1 optimizer steps in a row had a non-finite gradient norm" in message
+    assert "first non-finite gradient: module." in message and "(optim.max_consecutive_skips=1)" in message
+    assert "restarting every role" not in message  # the same data would fail again: no restart
     assert not check_checkpoints(tmp_path / "b")

@@ -59,3 +59,41 @@ def test_ctrl_c_saves_and_a_rerun_resumes_with_the_same_numbers(grpo_run, tmp_pa
         assert x["actor/loss"] == pytest.approx(y["actor/loss"], abs=1e-5)
     state = json.loads((tmp_path / "run/checkpoints/step_8/trainer_state.json").read_text())
     assert state["data"]["prompts"]["position"] == 64 and state["weight_version"] == 9
+
+
+def handover_records(run) -> dict[int, list[str]]:
+    """Per step, the colocated handover's calls in order (samples.jsonl, name `handover`)."""
+    from megarl.trainer.metrics import read_samples
+
+    return {r["step"]: r["text"].split(" -> ") for r in read_samples(run) if r["name"] == "handover"}
+
+
+PLAIN_STEP = [  # a step with no checkpoint: generate, hand the GPUs back, log-probs and update, then to the engines
+    "rollout.release_memory(weights,kv_cache)",
+    "actor.onload",
+    "actor.offload(False, True, True)",  # grads and optimizer first: the actor's weights stay for the sync
+    "rollout.resume_memory(weights)",
+    "sync",  # both weights resident, the KV cache not yet
+    "actor.offload(True, True, True)",
+    "rollout.resume_memory(kv_cache)",
+]
+
+
+@pytest.mark.slow
+def test_the_colocated_handover_runs_in_order_and_changes_no_number(grpo_run, tmp_path):
+    records = handover_records(grpo_run)
+    assert sorted(records) == list(range(1, 9))
+    # before step 1: both hold their models; the first sync hands the GPUs to the engines
+    assert records[1] == ["actor.offload(False, True, True)", "sync", "actor.offload(True, True, True)", *PLAIN_STEP]
+    assert all(records[step] == PLAIN_STEP for step in range(2, 9))
+    split = tmp_path / "split"
+    split.mkdir()
+    megarl_train(write_config(split, "[grpo]", 8), "placement.mode=split", "placement.rollout_gpus=2")
+    assert handover_records(split / "run") == {}  # split placement hands nothing over
+    for a, b in zip(metrics(grpo_run), metrics(split / "run"), strict=True):
+        assert {k: v for k, v in a.items() if k.startswith(("reward/", "actor/"))} == {
+            k: v for k, v in b.items() if k.startswith(("reward/", "actor/"))
+        }
+    phases = ("rollout", "reward", "handover", "logprobs", "update", "sync")
+    for step in metrics(grpo_run):  # every step carries every phase's memory
+        assert {f"memory/{phase}/rss_gb" for phase in phases} <= set(step)

@@ -13,6 +13,7 @@ from worker_ranks import (
     critic_values,
     one_update,
     optimizer_state,
+    poisoned_updates,
     policy_logprobs,
     random_batch,
     resume_and_train,
@@ -97,6 +98,27 @@ def test_update_gives_the_same_weights_at_every_layout(ranks4, update_reference,
         assert mine["loss"] == pytest.approx(ref["loss"], abs=1e-6)
         assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
     assert not any(h["skipped"] for h in history)
+
+
+@pytest.mark.parametrize("layout", [(2, 1, 1), (1, 2, 1)], ids=layout_id)
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(ranks4, hf_checkpoint, layout):
+    """One NaN in one gradient of one rank: every rank of the role skips that step (weights untouched) and steps
+    normally afterwards; two in a row with max_consecutive_skips=2 stop with the parameter's name."""
+    folder = str(hf_checkpoint("tiny-qwen3"))
+    batch = random_batch(8, vocab_size=1000, seed=2)
+    weights = loss_weights("token-mean", batch["response_mask"])
+    results = ranks4.run(poisoned_updates, folder, layout, batch, weights, [1], 3)
+    for history, error in results:
+        assert history == [(False, True), (True, False), (False, True)] and error == ""
+    results = ranks4.run(poisoned_updates, folder, layout, batch, weights, [1, 2], 2)
+    for rank, (history, error) in enumerate(results):
+        assert history == [(False, True), (True, False)]
+        assert "2 optimizer steps in a row had a non-finite gradient norm (the last: optimizer step 3" in error
+        assert "(optim.max_consecutive_skips=2)" in error
+        if rank == 1:
+            assert "first non-finite gradient: module." in error
+        else:
+            assert "this rank's gradients are finite" in error
 
 
 def test_update_moves_the_weights(update_reference, hf_checkpoint):

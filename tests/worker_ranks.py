@@ -208,3 +208,33 @@ def _ppo_step(model, part: Batch, loss_fn) -> dict:
     from megarl.workers.policy import update_policy
 
     return update_policy(model, part, loss_fn, max_tokens=64)
+
+
+def poisoned_updates(path: str, layout, batch: Batch, loss_weights: torch.Tensor, poisoned: list[int], limit: int):
+    """PPO steps 0, 1, ... on the batch; before the optimizer step of each step in `poisoned`, one gradient element of
+    global rank 1 only turns NaN. Per step: (skipped, whether any weight of this rank changed); then the text of
+    the optimizer's error if it stopped the run (else "")."""
+    import torch.distributed as dist
+
+    from megarl.workers.optimizer import NonFiniteGradients
+
+    model, part, loss_fn = _trainable_actor(path, layout, batch, loss_weights)
+    model.optimizer.settings.max_consecutive_skips = limit
+    optimizer_step, current = model.optimizer.step, [0]
+
+    def step_with_poison():
+        if current[0] in poisoned and dist.get_rank() == 1:
+            model.optimizer.params[2].main_grad.view(-1)[0] = float("nan")
+        return optimizer_step()
+
+    model.optimizer.step = step_with_poison
+    history = []
+    for current[0] in range(len(poisoned) + 2):
+        before = [p.detach().clone() for p in model.optimizer.params]
+        try:
+            metrics = _ppo_step(model, part, loss_fn)
+        except NonFiniteGradients as err:
+            return history, str(err)
+        changed = any(not torch.equal(a, p) for a, p in zip(before, model.optimizer.params))
+        history.append((bool(metrics["skipped"]), changed))
+    return history, ""

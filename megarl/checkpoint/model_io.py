@@ -19,17 +19,15 @@ from megarl.bridge.importer import load_hf_weights
 from megarl.bridge.mappings import VocabInfo, pad_vocab_size
 from megarl.bridge.model_bridge import ModelBridge
 from megarl.bridge.safetensors_io import HFCheckpoint, TensorSpec
+from megarl.checkpoint.carried import CarriedFiles
 from megarl.checkpoint.dist_io import check_loadable, load_model_weights, save_model_weights
 from megarl.checkpoint.model_dir import (
-    EXTRA_DIR,
     HF_DIR,
     INFO_FILE,
     MODEL_DIR,
     ModelCheckpointInfo,
-    copy_hf_side_files,
     load_manifest,
     save_manifest,
-    write_hf_tensors,
 )
 from megarl.checkpoint.staging import check_destination
 from megarl.models.architecture import Architecture
@@ -51,10 +49,13 @@ class LoadedModel:
     arch: Architecture
     hf_config: object
     vocab: VocabInfo
-    hf_dir: Path
-    """Folder with the HF config and tokenizer files."""
     source: Path
-    """What the model was loaded from: a HF folder or a megarl checkpoint folder."""
+    """What the model was loaded from: a HF folder or a megarl checkpoint folder. Only read while loading: a run
+    checkpoint it names may be deleted by rotation while the model lives on."""
+    origin: str
+    """The HF folder the weights first came from (recorded in every checkpoint saved from this model)."""
+    carried: CarriedFiles = field(default_factory=CarriedFiles)
+    """What a save copies unchanged (HF side files, tensors Megatron does not hold), captured at load time."""
     hf_specs: list[TensorSpec] = field(default_factory=list)
     """The source HF checkpoint's tensors (name, dtype, shape): what an export must reproduce."""
     head: Head = "lm"
@@ -99,6 +100,8 @@ def load_model(
         model = _build(path, path / HF_DIR, parallel, dtype, lambda hf_config: info.vocab, **build)
         load_model_weights(model.chunks, path / MODEL_DIR)
         model.hf_specs = load_manifest(path) or []
+        model.origin = info.source or str(path)
+        model.carried = CarriedFiles.from_checkpoint(path)
         return model
     read_config_json(path)
 
@@ -112,6 +115,7 @@ def load_model(
     model.hf_specs = [
         spec for spec in checkpoint.specs() if not arch.is_mtp(spec.name, hf_config) and not arch.is_derived(spec.name)
     ]
+    model.carried = CarriedFiles.from_hf_folder(path, [n for n in checkpoint.names if arch.is_mtp(n, hf_config)])
     return model
 
 
@@ -133,7 +137,7 @@ def _build(
         arch, hf_config, parallel, vocab, dtype, spec_backend=spec_backend, head=head, config_overrides=config_overrides
     )
     bridge = build_bridge(arch, hf_config, chunks, vocab, head)
-    return LoadedModel(chunks, bridge, arch, hf_config, vocab, hf_dir, source, head=head)
+    return LoadedModel(chunks, bridge, arch, hf_config, vocab, source, origin=str(source), head=head)
 
 
 def save_model(
@@ -153,8 +157,7 @@ def save_model(
         check_destination(folder, overwrite)
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / MODEL_DIR).mkdir(parents=True)
-        copy_hf_side_files(model.hf_dir, tmp / HF_DIR)
-        _carry_extra_tensors(model, tmp / EXTRA_DIR)
+        model.carried.write(tmp)
         save_manifest(tmp, model.hf_specs)
         ModelCheckpointInfo(
             architecture=model.arch.name,
@@ -162,7 +165,7 @@ def save_model(
             padded_vocab_size=model.vocab.padded_size,
             params_dtype=dtype_name(model.chunks[0].config.params_dtype),
             layout=current_layout(),
-            source=str(model.hf_dir),
+            source=model.origin,
         ).save(tmp)
     dist.barrier()
     save_model_weights(model.chunks, tmp / MODEL_DIR)
@@ -175,18 +178,6 @@ def save_model(
         tmp.rename(folder)
     dist.barrier()
     return folder
-
-
-def _carry_extra_tensors(model: LoadedModel, folder: Path) -> None:
-    """Tensors the Megatron model does not hold (multi-token prediction) go from the source into the new folder."""
-    if is_megarl_checkpoint(model.source):
-        if (model.source / EXTRA_DIR).is_dir():
-            shutil.copytree(model.source / EXTRA_DIR, folder)
-        return
-    checkpoint = HFCheckpoint(model.source)
-    carried = [name for name in checkpoint.names if model.arch.is_mtp(name, model.hf_config)]
-    if carried:
-        write_hf_tensors(folder, checkpoint, carried)
 
 
 def current_layout() -> dict[str, int]:

@@ -30,6 +30,10 @@ class WorkerError(RuntimeError):
         self.failures = dict(sorted(failures.items()))
         super().__init__(format_failures(role, what, self.failures, note))
 
+    def raised(self, exception_name: str) -> bool:
+        """Whether some rank raised an exception of this class name (read from its traceback)."""
+        return any(f.kind == "raised" and f"{exception_name}:" in f.detail for f in self.failures.values())
+
     @property
     def ranks(self) -> list[int]:
         """Every rank that failed, died or did not answer."""

@@ -123,6 +123,22 @@ class Worker:
         """
         return ParallelInfo(dp_rank=self.rank, dp_size=self.world_size, is_dp_leader=True)
 
+    def memory_stats(self) -> dict[str, float]:
+        """This process's memory now, in GiB: resident host memory (`rss_gb`) and, once it uses CUDA, the peak
+        allocated since the previous call (`peak_allocated_gb`, then reset), reserved (`reserved_gb`) and the
+        device's used memory as NVML sees it, every process included (`device_used_gb`)."""
+        import psutil
+        import torch
+
+        stats = {"rss_gb": psutil.Process().memory_info().rss / 2**30}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            stats["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            stats["reserved_gb"] = torch.cuda.memory_reserved() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+            free, total = torch.cuda.mem_get_info()  # the driver's account: every process on the device
+            stats["device_used_gb"] = (total - free) / 2**30
+        return stats
+
     def ping(self) -> int:
         """Answers this worker's rank: the process is alive and not busy."""
         return self.rank
@@ -131,8 +147,24 @@ class Worker:
         """End the process at once, without clean-up (fault-tolerance tests)."""
         os._exit(exit_code)
 
+    @property
+    def device(self):
+        """Where this worker computes: tensors of every call are moved there on entry and back to the CPU on exit
+        (runtime/device.py). The CPU here; Megatron role workers use their GPU."""
+        import torch
+
+        return torch.device("cpu")
+
     def call_method(self, method: str, keep_result: bool, /, *args: Any, **kwargs: Any) -> Any:
         """Run `method(*args, **kwargs)` for the group; return its result only where the collect mode uses it, so
-        that ranks whose results are dropped (TP peers, early pipeline stages) send nothing back."""
+        that ranks whose results are dropped (TP peers, early pipeline stages) send nothing back. The device
+        boundary: tensors in the arguments go to `self.device`, tensors in the result come back to the CPU."""
+        device = self.device
+        if device.type != "cpu":
+            from megarl.runtime.device import to_device, to_host
+
+            args, kwargs = to_device(args, device), to_device(kwargs, device)
+            result = getattr(self, method)(*args, **kwargs)
+            return to_host(result) if keep_result else None
         result = getattr(self, method)(*args, **kwargs)
         return result if keep_result else None

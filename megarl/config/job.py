@@ -89,6 +89,18 @@ class RewardModelConfig(RoleConfig):
 
 
 @dataclass
+class OffloadConfig:
+    """What colocated training roles move to pinned host memory while the rollout engines hold the GPUs."""
+
+    params: bool = True
+    """Model weights (GPU only: on a CPU machine they already live in host memory)."""
+    grads: bool = True
+    """Gradient buffers (freed; they are zeroed at the next update anyway)."""
+    optimizer: bool = True
+    """Optimizer states and fp32 main weights."""
+
+
+@dataclass
 class PlacementConfig:
     """Where the roles run. Each training role (actor, critic, ref, reward model) is one group of `train_gpus`
     workers; rollout engines take `rollout.gpus_per_engine` GPUs each."""
@@ -100,6 +112,8 @@ class PlacementConfig:
     """GPUs (workers) of each training role's group."""
     rollout_gpus: int = 0
     """split: GPUs of the rollout engines (a multiple of rollout.gpus_per_engine)."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """colocated: what the training roles hand over while the engines generate (trainer/handover.py)."""
 
     def check(self, key: str) -> None:
         if self.train_gpus < 1:

@@ -48,6 +48,8 @@ class HFEngineConfig:
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights and compute dtype of the engine's model."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the engine computes; auto: the rollout worker's GPU when it has one, else the CPU."""
     max_batch_size: int = 64
     """Most sequences decoded together in one forward pass; larger requests run in several rounds."""
     num_threads: int = 0

@@ -25,6 +25,9 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 FinishReason = Literal["stop", "length", "abort"]
 
+MEMORY_TAGS = ("weights", "kv_cache")
+"""What a colocated engine releases and resumes (SGLang's memory-saver tags): weights first back, KV cache last."""
+
 
 @dataclass
 class GenerateRequest:
@@ -109,12 +112,13 @@ class RolloutEngine(ABC):
         self.finish_weight_update(version)
         return SyncStats(version, num_tensors, num_bytes, time.perf_counter() - start)
 
-    def release_memory(self) -> None:
-        """Free accelerator memory (weights and KV cache) for a colocated trainer; no-op where nothing to free."""
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free accelerator memory for a colocated trainer: `tags` among MEMORY_TAGS (None: all); no-op where
+        nothing is held."""
         return None  # default: nothing to do
 
-    def resume_memory(self) -> None:
-        """Take back what release_memory freed."""
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Take back what release_memory freed (`tags` as there; weights before the KV cache)."""
         return None  # default: nothing to do
 
     def flush_cache(self) -> None:

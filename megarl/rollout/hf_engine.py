@@ -26,7 +26,7 @@ import torch
 
 from megarl.errors import UserError
 from megarl.rollout.config import HFEngineConfig, SamplingParams
-from megarl.rollout.engine import Bucket, Completion, GenerateRequest, RolloutEngine, sample_seed
+from megarl.rollout.engine import MEMORY_TAGS, Bucket, Completion, GenerateRequest, RolloutEngine, sample_seed
 from megarl.rollout.hf_sampling import StopStringWatcher, sample_tokens
 from megarl.rollout.hf_weights import WeightLoader
 
@@ -79,6 +79,7 @@ class HFEngine(RolloutEngine):
         self.config = config or HFEngineConfig()
         self.config.check("rollout.hf")
         self.model_path = Path(model_path)
+        self.device = _engine_device(self.config.device)
         if self.config.num_threads > 0:
             torch.set_num_threads(self.config.num_threads)  # process-wide: the engine owns its process's threads
         self.model = self._build_model()
@@ -111,7 +112,7 @@ class HFEngine(RolloutEngine):
             model = AutoModelForCausalLM.from_pretrained(
                 self.model_path, dtype=dtype, attn_implementation=self.config.attn_implementation, local_files_only=True
             )
-        return model.eval().requires_grad_(False)
+        return model.eval().requires_grad_(False).to(self.device)
 
     def _build_tokenizer(self):
         from transformers import AutoTokenizer
@@ -227,9 +228,15 @@ class HFEngine(RolloutEngine):
             input_ids_UL[u, length - len(context) :] = torch.tensor(context)
             attention_mask_UL[u, length - len(context) :] = 1
         position_ids_UL = (attention_mask_UL.cumsum(-1) - 1).clamp_(min=0)
+        device = self.device
+        input_ids_UL, attention_mask_UL, position_ids_UL = (
+            input_ids_UL.to(device),
+            attention_mask_UL.to(device),
+            position_ids_UL.to(device),
+        )
         cache = DynamicCache(config=self.model.config)
         logits_UV = self._forward(input_ids_UL, attention_mask_UL, position_ids_UL, cache)
-        rows_B = torch.tensor(row_of_rollout)
+        rows_B = torch.tensor(row_of_rollout, device=device)
         if len(contexts) != len(rollouts):
             cache.batch_select_indices(rows_B)
         return cache, logits_UV[rows_B], attention_mask_UL[rows_B], position_ids_UL[rows_B, -1] + 1
@@ -248,7 +255,7 @@ class HFEngine(RolloutEngine):
             if not keep or self._abort.is_set():
                 return  # unfinished rollouts read as aborted
             if len(keep) < len(active):  # finished rows leave the batch
-                keep_B = torch.tensor(keep)
+                keep_B = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(keep_B)
                 attention_mask_BL, next_position_B, tokens_B = (
                     attention_mask_BL[keep_B],
@@ -316,11 +323,19 @@ class HFEngine(RolloutEngine):
     def flush_cache(self) -> None:
         """No-op: KV caches live only inside one generate call, so none outlives a weight update."""
 
-    def release_memory(self) -> None:
-        """No-op: on CPU the weights stay in host memory, which a colocated trainer shares anyway."""
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """On a GPU, "weights" moves the model to host memory (KV caches live only inside a generate call, so
+        "kv_cache" has nothing to free). On the CPU the weights stay in host memory, shared with a colocated
+        trainer anyway: a no-op."""
+        if self.device.type == "cuda" and "weights" in (tags or MEMORY_TAGS):
+            with self._lock:
+                self.model.to("cpu")  # parameters keep their identity: the weight loader's views stay valid
+            torch.cuda.empty_cache()
 
-    def resume_memory(self) -> None:
-        """No-op (see release_memory)."""
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        if self.device.type == "cuda" and "weights" in (tags or MEMORY_TAGS):
+            with self._lock:
+                self.model.to(self.device)
 
     def shutdown(self) -> None:
         self.abort()
@@ -331,3 +346,12 @@ class HFEngine(RolloutEngine):
     def _check_alive(self) -> None:
         if self.model is None:
             raise RuntimeError("hf engine: used after shutdown()")
+
+
+def _engine_device(choice: str) -> torch.device:
+    """rollout.hf.device: auto takes this process's GPU (a rollout worker sees the one Ray gave it) if any."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError("rollout.hf.device=cuda, but this rollout worker sees no CUDA device; use auto or cpu")
+    return torch.device("cuda", torch.cuda.current_device())

@@ -49,7 +49,8 @@ def sample_tokens(
         mass_before_BK = probs_BK.cumsum(dim=-1) - probs_BK
         probs_BK = probs_BK.masked_fill(mass_before_BK >= sampling.top_p, 0.0)  # the first token always stays
     cdf_BK = probs_BK.double().cumsum(dim=-1)
-    threshold_B1 = draw_uniforms(generators)[:, None] * cdf_BK[:, -1:]
+    # the draws come from per-completion CPU generators wherever the logits live: the same streams on any device
+    threshold_B1 = draw_uniforms(generators).to(cdf_BK.device)[:, None] * cdf_BK[:, -1:]
     # first column whose cdf exceeds the threshold: a zero-probability column never does
     choice_B = torch.searchsorted(cdf_BK, threshold_B1, right=True).squeeze(-1).clamp_(max=cdf_BK.shape[-1] - 1)
     tokens_B = choice_B if candidates_BK is None else candidates_BK.gather(-1, choice_B[:, None]).squeeze(-1)

@@ -356,15 +356,15 @@ class SGLangEngine(RolloutEngine):
         self._call(self.client.flush_cache)
 
     # ---- memory (colocated training) -------------------------------------------------------------------------------
-    def release_memory(self, tags: list[str] | None = None) -> None:
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Free GPU memory (SGLang tags: weights, kv_cache, cuda_graph; None: all). Call only with no generation in
         flight: SGLang requires an idle server."""
         self._require_memory_saver()
-        self._call(self.client.release_memory_occupation, tags)
+        self._call(self.client.release_memory_occupation, list(tags) if tags is not None else None)
 
-    def resume_memory(self, tags: list[str] | None = None) -> None:
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         self._require_memory_saver()
-        self._call(self.client.resume_memory_occupation, tags)
+        self._call(self.client.resume_memory_occupation, list(tags) if tags is not None else None)
 
     def _require_memory_saver(self) -> None:
         if not self.config.enable_memory_saver:

@@ -29,13 +29,17 @@ import torch
 from megarl.algorithms.config import OffPolicyConfig
 from megarl.algorithms.losses import PolicyLoss, ValueLoss
 from megarl.algorithms.off_policy import off_policy_weights
+from megarl.config.job import JobConfig
 from megarl.data.batch import Batch
 from megarl.data.prompts import PromptSampler
 from megarl.rewards.runner import RewardRunner
 from megarl.trainer import rl_steps
-from megarl.trainer.context import RunContext
+from megarl.trainer.engine_sync import WeightSync
+from megarl.trainer.roles import Roles
 from megarl.trainer.rollout_buffer import OLDEST_VERSION, RolloutBuffer, TakenBatch
 from megarl.trainer.rollout_producer import DynamicSampling, EngineGroup, RolloutProducer
+from megarl.trainer.run_checkpoint import TrainerState
+from megarl.trainer.steps import Steps
 
 log = logging.getLogger("megarl")
 
@@ -53,8 +57,10 @@ class ConsumedPosition:
         return dict(self.state)
 
 
-def run_async_rl(ctx: RunContext, sampler: PromptSampler) -> None:
-    config, roles = ctx.config, ctx.roles
+def run_async_rl(
+    config: JobConfig, roles: Roles, tokenizer, sampler: PromptSampler, steps: Steps, sync: WeightSync
+) -> None:
+    """Split placement only (the engines keep their own GPUs: nothing is handed over)."""
     rl, algorithm, sampling = config.rl, config.algorithm, config.rollout.sampling
     temperature = sampling.temperature or 1.0  # greedy rollouts: log-probs of the unscaled distribution
     actor_loss = PolicyLoss(algorithm.policy_loss, algorithm.off_policy)
@@ -62,53 +68,60 @@ def run_async_rl(ctx: RunContext, sampler: PromptSampler) -> None:
     position = ConsumedPosition(sampler)
     samplers = {"prompts": position}
     try:
-        with RewardRunner(config.reward) as rewards, _producer(ctx, sampler, rewards) as producer:
-            while ctx.state.step < rl.num_steps:
-                actor_version = ctx.state.weight_version
-                with ctx.phase("wait"):
+        with (
+            RewardRunner(config.reward) as rewards,
+            _producer(config, roles, tokenizer, steps.state, sampler, rewards) as producer,
+        ):
+            while steps.state.step < rl.num_steps:
+                actor_version = steps.state.weight_version
+                with steps.phase("wait"):
                     taken = producer.next_batch(actor_version)  # generated and scored by the producer thread
                 batch, metrics = taken.item.batch, dict(taken.item.metrics)
-                with ctx.phase("logprobs"):
+                with steps.phase("logprobs"):
                     batch, logprob_metrics = rl_steps.add_logprobs(batch, roles, temperature)
                     batch, advantage_metrics = rl_steps.add_advantages(batch, algorithm)
                 metrics.update(logprob_metrics | advantage_metrics | is_weight_metrics(batch, algorithm.off_policy))
-                with ctx.phase("update"):
-                    metrics.update(rl_steps.update(ctx, batch, actor_loss, critic_loss, temperature))
-                with ctx.phase("sync"):
-                    metrics.update(producer.sync(ctx.sync_weights))  # generation paused only for the sync
+                with steps.phase("update"):
+                    train_actor = steps.state.step >= rl.critic_warmup_steps
+                    metrics.update(
+                        rl_steps.update(config, roles, batch, actor_loss, critic_loss, temperature, train_actor)
+                    )
+                with steps.phase("sync"):
+                    metrics.update(producer.sync(sync))  # generation paused only for the sync
                 metrics.update(staleness_metrics(taken, rl.max_staleness) | producer.take_times())
                 position.state = taken.item.data_state
-                ctx.state.extra[NEXT_BATCH] = taken.item.number + 1
-                _log_versions(ctx, taken, actor_version)
-                ctx.end_step(metrics, rl.num_steps, samplers, batch, rl.eval_every, taken.item.num_tokens)
+                steps.state.extra[NEXT_BATCH] = taken.item.number + 1
+                _log_versions(steps, taken, actor_version)
+                steps.end(metrics, rl.num_steps, samplers, batch, rl.eval_every, taken.item.num_tokens)
     finally:
         sampler.load_state_dict(position.state)  # the stage-end checkpoint saves the consumed position too
 
 
-def _producer(ctx: RunContext, sampler: PromptSampler, rewards: RewardRunner) -> RolloutProducer:
-    config, rl = ctx.config, ctx.config.rl
-    algorithm, sampling = config.algorithm, config.rollout.sampling
-    reward_model = ctx.roles.reward_model
+def _producer(
+    config: JobConfig, roles: Roles, tokenizer, state: TrainerState, sampler: PromptSampler, rewards: RewardRunner
+) -> RolloutProducer:
+    rl, algorithm, sampling = config.rl, config.algorithm, config.rollout.sampling
+    reward_model = roles.reward_model
 
     def score(batch: Batch) -> tuple[Batch, dict[str, float]]:
         rm_coef = config.reward_model.coef
         return rl_steps.reward_batch(batch, rewards, algorithm, sampling.max_new_tokens, reward_model, rm_coef)
 
     buffer = RolloutBuffer(rl.max_staleness, rl.stale_policy, min_groups=rl.mini_batches)
-    first = ctx.state.global_step
-    if ctx.state.step > 0:  # resuming within the stage: batches dropped before the checkpoint used numbers too
-        first = max(first, int(ctx.state.extra.get(NEXT_BATCH, first)))
+    first = state.global_step
+    if state.step > 0:  # resuming within the stage: batches dropped before the checkpoint used numbers too
+        first = max(first, int(state.extra.get(NEXT_BATCH, first)))
     dapo = algorithm.dapo
     return RolloutProducer(
-        EngineGroup(ctx.roles.rollout),
+        EngineGroup(roles.rollout),
         sampler,
         score,
-        ctx.tokenizer,
+        tokenizer,
         sampling,
         buffer,
         run_seed=config.run.seed,
         first_number=first,
-        max_batches=rl.num_steps - ctx.state.step if buffer.policy == "wait" else None,
+        max_batches=rl.num_steps - state.step if buffer.policy == "wait" else None,
         partial_rollout=rl.partial_rollout,
         dynamic_sampling=DynamicSampling(dapo.max_sampling_rounds, rl.prompts_per_step)
         if dapo.dynamic_sampling
@@ -150,7 +163,7 @@ def is_weight_metrics(batch: Batch, config: OffPolicyConfig) -> dict[str, float]
     }
 
 
-def _log_versions(ctx: RunContext, taken: TakenBatch, actor_version: int) -> None:
+def _log_versions(steps: Steps, taken: TakenBatch, actor_version: int) -> None:
     """Per-sample versions of the consumed batch, to samples.jsonl: what the staleness bound is checked on."""
     record = {
         "batch": taken.item.number,
@@ -159,4 +172,4 @@ def _log_versions(ctx: RunContext, taken: TakenBatch, actor_version: int) -> Non
         "staleness": taken.staleness,
         "dropped": taken.dropped,
     }
-    ctx.logger.log_text(ctx.state.global_step + 1, "async/versions", json.dumps(record))
+    steps.logger.log_text(steps.state.global_step + 1, "async/versions", json.dumps(record))

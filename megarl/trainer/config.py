@@ -63,8 +63,6 @@ class RLConfig:
     partial_rollout: Literal["abort", "resume"] = "resume"
     """Async: a generation interrupted by a weight update is resumed under the new weights (keeping its prefix and
     the prefix's per-token versions) or aborted and re-queued from scratch."""
-    max_consecutive_bad_steps: int = 3
-    """Stop after this many steps in a row whose update was skipped for non-finite loss or gradients."""
 
     def check(self, key: str) -> None:
         for name in ("num_steps", "prompts_per_step", "ppo_epochs", "mini_batches"):

@@ -76,6 +76,8 @@ class LoggingConfig:
     """Where the trainer's metrics go. `run_dir/metrics.jsonl` is always written; the rest is optional."""
 
     tensorboard: bool = True
+    memory: bool = True
+    """Per-phase memory of every worker in each step's metrics (`memory/<phase>/...`, trainer/memory_metrics.py)."""
     """Write TensorBoard event files under run_dir/tensorboard/ (`tensorboard --logdir RUN_DIR/tensorboard`)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases logging (off by default)."""

@@ -7,50 +7,67 @@ from __future__ import annotations
 
 from megarl.algorithms.dapo import keep_groups
 from megarl.algorithms.losses import PolicyLoss, ValueLoss
+from megarl.config.job import JobConfig
 from megarl.data.batch import Batch
 from megarl.data.prompts import PromptSampler
+from megarl.rewards.runner import RewardRunner
 from megarl.trainer import rl_steps
-from megarl.trainer.context import RunContext
+from megarl.trainer.engine_sync import WeightSync
+from megarl.trainer.handover import Handover
+from megarl.trainer.roles import Roles
 from megarl.trainer.rollout_step import generate_batch, rollout_metrics
+from megarl.trainer.steps import Steps
 
 
-def run_rl(ctx: RunContext, sampler: PromptSampler) -> None:
-    config, roles = ctx.config, ctx.roles
+def run_rl(
+    config: JobConfig,
+    roles: Roles,
+    tokenizer,
+    rewards: RewardRunner,
+    sampler: PromptSampler,
+    steps: Steps,
+    handover: Handover,
+    sync: WeightSync,
+) -> None:
     rl, algorithm, sampling = config.rl, config.algorithm, config.rollout.sampling
     temperature = sampling.temperature or 1.0  # greedy rollouts: log-probs of the unscaled distribution
     actor_loss = PolicyLoss(algorithm.policy_loss, algorithm.off_policy)
     critic_loss = ValueLoss(algorithm.value_loss) if roles.critic is not None else None
     samplers = {"prompts": sampler}
-    while ctx.state.step < rl.num_steps:
-        batch, metrics, num_tokens = _rollouts(ctx, sampler)  # generate + reward (+ DAPO refill)
-        with ctx.phase("logprobs"):
+    while steps.state.step < rl.num_steps:
+        # generate + reward (+ DAPO refill); colocated: the engines hold the GPUs
+        batch, metrics, num_tokens = _rollouts(config, roles, tokenizer, rewards, sampler, steps, handover)
+        with steps.phase("handover"):
+            handover.to_training()  # colocated: the engines release the GPUs, the roles onload
+        with steps.phase("logprobs"):
             batch, logprob_metrics = rl_steps.add_logprobs(batch, roles, temperature)
             batch, advantage_metrics = rl_steps.add_advantages(batch, algorithm)
         metrics.update(logprob_metrics | advantage_metrics)
-        with ctx.phase("update"):
-            metrics.update(rl_steps.update(ctx, batch, actor_loss, critic_loss, temperature))
-        with ctx.phase("sync"):
-            metrics.update(ctx.sync_weights())
-        ctx.end_step(metrics, rl.num_steps, samplers, batch, rl.eval_every, num_tokens)
+        with steps.phase("update"):
+            train_actor = steps.state.step >= rl.critic_warmup_steps
+            metrics.update(rl_steps.update(config, roles, batch, actor_loss, critic_loss, temperature, train_actor))
+        with steps.phase("sync"):
+            metrics.update(handover.to_rollout(sync))  # colocated: the engines take the GPUs back
+        steps.end(metrics, rl.num_steps, samplers, batch, rl.eval_every, num_tokens)
 
 
-def _rollouts(ctx: RunContext, sampler: PromptSampler) -> tuple[Batch, dict[str, float], int]:
+def _rollouts(
+    config: JobConfig, roles: Roles, tokenizer, rewards: RewardRunner, sampler: PromptSampler, steps: Steps, handover
+) -> tuple[Batch, dict[str, float], int]:
     """A scored rollout batch of rl.prompts_per_step prompt groups. With DAPO dynamic sampling, groups whose
     completions all scored the same carry no signal: they are dropped and more prompts are drawn, up to
     algorithm.dapo.max_sampling_rounds rounds (a short batch is used as it is after that)."""
-    config = ctx.config
     algorithm, sampling = config.algorithm, config.rollout.sampling
     dapo, rm_coef = algorithm.dapo, config.reward_model.coef
     parts, metrics, num_tokens, num_groups = [], {}, 0, 0
     for draw in range(dapo.max_sampling_rounds if dapo.dynamic_sampling else 1):
-        with ctx.phase("rollout"):
-            seed_step = ctx.state.global_step * 1000 + draw  # every draw of every step gets its own seeds
-            rollout = generate_batch(
-                ctx.roles.rollout, next(sampler), sampling, ctx.tokenizer, config.run.seed, seed_step
-            )
-        with ctx.phase("reward"):
+        with steps.phase("rollout"):
+            handover.to_rollout()  # a no-op unless the roles took the GPUs back (e.g. for a checkpoint)
+            seed_step = steps.state.global_step * 1000 + draw  # every draw of every step gets its own seeds
+            rollout = generate_batch(roles.rollout, next(sampler), sampling, tokenizer, config.run.seed, seed_step)
+        with steps.phase("reward"):
             batch, reward_metrics = rl_steps.reward_batch(
-                rollout.batch, ctx.rewards, algorithm, sampling.max_new_tokens, ctx.roles.reward_model, rm_coef
+                rollout.batch, rewards, algorithm, sampling.max_new_tokens, roles.reward_model, rm_coef
             )
         num_tokens += rollout.num_tokens
         if draw == 0:

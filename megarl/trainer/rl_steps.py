@@ -163,19 +163,20 @@ def renumber_groups(group_ids: torch.Tensor, offset: int) -> torch.Tensor:
     return inverse + offset
 
 
-def update(ctx, batch: Batch, actor_loss, critic_loss, temperature: float) -> dict[str, float]:
+def update(
+    config, roles, batch: Batch, actor_loss, critic_loss, temperature: float, train_actor: bool = True
+) -> dict[str, float]:
     """rl.ppo_epochs passes over the batch in rl.mini_batches mini-batches (one optimizer step each); the critic
-    trains from the first step, the actor after rl.critic_warmup_steps."""
-    rl, algorithm = ctx.config.rl, ctx.config.algorithm
-    norm_len = ctx.config.rollout.sampling.max_new_tokens
-    train_actor = ctx.state.step >= rl.critic_warmup_steps
+    trains every step, the actor when `train_actor` (after rl.critic_warmup_steps)."""
+    rl, algorithm = config.rl, config.algorithm
+    norm_len = config.rollout.sampling.max_new_tokens
     updates = []
     for _ in range(rl.ppo_epochs):
         for mini in mini_batches(batch, rl.mini_batches):
             metrics = {}
             if critic_loss is not None:
-                metrics |= update_critic(mini, ctx.roles, critic_loss, algorithm, norm_len)
+                metrics |= update_critic(mini, roles, critic_loss, algorithm, norm_len)
             if train_actor:
-                metrics |= update_actor(mini, ctx.roles, actor_loss, algorithm, temperature, norm_len)
+                metrics |= update_actor(mini, roles, actor_loss, algorithm, temperature, norm_len)
             updates.append(metrics)
     return average(updates)

@@ -7,6 +7,7 @@ version come from `trainer_state.json`, every trained role from its checkpoint (
 
 from __future__ import annotations
 
+import copy
 import logging
 import signal
 from contextlib import ExitStack
@@ -14,8 +15,8 @@ from pathlib import Path
 
 from megarl.config.job import JobConfig
 from megarl.errors import RunFailure, UserError
-from megarl.trainer.context import RunContext, StopRun
 from megarl.trainer.run_checkpoint import RunCheckpoints, TrainerState
+from megarl.trainer.steps import StopRun
 
 log = logging.getLogger("megarl")
 
@@ -40,18 +41,26 @@ def train(config: JobConfig) -> int:
     tokenizer, data = _read_data(config)  # every row checked before the run folder or any process exists
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(config, run_dir / "config.yaml")
+    # A restart with no checkpoint yet starts the data from the beginning again, not where the failed attempt was.
+    first_positions = {name: sampler.state_dict() for name, sampler in data.samplers().items()}
     for attempt in range(config.run.max_restarts + 1):
         latest = checkpoints.latest()
-        state = TrainerState.load(latest) if latest else TrainerState(config_hash=config_hash(config))
+        fresh = TrainerState(config_hash=config_hash(config), data=copy.deepcopy(first_positions))
+        state = TrainerState.load(latest) if latest else fresh
         if latest and state.config_hash != config_hash(config):
             log.warning("the config differs from the one that wrote %s; continuing with the new one", latest)
         try:
             with ExitStack() as stack:
-                ctx = _start(config, run_dir, checkpoints, state, latest, stack, tokenizer, data)
-                return _run_stages(ctx, data)
+                run = _start(config, run_dir, checkpoints, state, latest, stack, tokenizer, data)
+                return _run_stages(run, data)
         except WorkerError as err:
             newest = checkpoints.latest()
             where = f"checkpoint {newest.name}" if newest else "the start (no checkpoint was written yet)"
+            if err.raised("NonFiniteGradients"):  # the same data would fail the same way after a restart
+                raise RunFailure(
+                    f"{err}\nNo checkpoint holds non-finite weights: rerun to resume from {where}, e.g. with a lower "
+                    "learning rate or stronger gradient clipping."
+                ) from err
             if attempt == config.run.max_restarts:
                 raise RunFailure(
                     f"{err}\nThe run stopped after {attempt} restart(s) (run.max_restarts={config.run.max_restarts}); "
@@ -83,10 +92,16 @@ def _start(
     from megarl.cluster.orphans import kill_leftover_processes, record_local_processes
     from megarl.cluster.ray_runtime import start_ray, stop_ray
     from megarl.rewards.runner import RewardRunner
+    from megarl.trainer.checkpointer import Checkpointer
+    from megarl.trainer.engine_sync import WeightSync
+    from megarl.trainer.evaluation import Evaluator
+    from megarl.trainer.handover import Handover
+    from megarl.trainer.memory_metrics import MemoryProbe
     from megarl.trainer.metrics import build_logger
     from megarl.trainer.progress import RunProgress
     from megarl.trainer.roles import local_cluster, start_roles
-    from megarl.trainer.stage_data import restore_positions, total_steps
+    from megarl.trainer.stage_data import RunParts, restore_positions, total_steps
+    from megarl.trainer.steps import Steps
 
     restore_positions(data, state)
     rewards = stack.enter_context(RewardRunner(config.reward))
@@ -110,11 +125,29 @@ def _start(
         console_every=config.logging.console_every,
     )
     stack.callback(progress.close)
-    ctx = RunContext(config, roles, tokenizer, logger, progress, checkpoints, state, rewards, run_dir)
-    ctx.eval_prompts = data.eval_prompts
+    sync = WeightSync(roles, state, config.rollout.bucket_bytes)
+    handover = Handover(roles, config.placement.offload, resync=lambda: sync(new_version=False))
+    trained = {"actor": roles.actor, "critic": roles.critic}
+    if "rm" in config.run.stages:
+        trained["reward_model"] = roles.reward_model
+    evaluator = None
+    if data.eval_prompts is not None and len(data.eval_prompts):
+        sampling = config.rollout.eval_sampling
+        evaluator = Evaluator(roles.rollout, data.eval_prompts, sampling, tokenizer, rewards, config.run.seed, handover)
+    steps = Steps(
+        state,
+        logger,
+        progress,
+        Checkpointer(checkpoints, {k: g for k, g in trained.items() if g is not None}, state, handover),
+        config.checkpoint,
+        handover,
+        MemoryProbe([*roles.training_groups(), roles.rollout], enabled=config.logging.memory),
+        evaluator,
+        num_sample_logs=config.rl.num_sample_logs,
+    )
     if config.logging.plots:
         stack.callback(_plot, run_dir)
-    return ctx
+    return RunParts(config, roles, tokenizer, rewards, checkpoints, steps, handover, sync)
 
 
 class _Resume:
@@ -137,36 +170,36 @@ def _restore_roles(config: JobConfig, roles, latest: Path, state: TrainerState) 
             group.call("load_checkpoint", str(latest / name), True, False)
 
 
-def _run_stages(ctx: RunContext, data) -> int:
+def _run_stages(run, data) -> int:
     from megarl.trainer.stage_data import run_stage
 
-    stages = ctx.config.run.stages
-    previous = signal.signal(signal.SIGINT, _interrupt_handler(ctx))
+    steps, state = run.steps, run.steps.state
+    previous = signal.signal(signal.SIGINT, _interrupt_handler(steps))
     try:
-        while ctx.state.stage_index < len(stages):
-            run_stage(ctx, data)
-            ctx.state.stage_index += 1
-            ctx.state.step = 0
-            if ctx.config.checkpoint.save_at_end:
-                with ctx.phase("checkpoint"):
-                    ctx.save_checkpoint(data.samplers())
+        while state.stage_index < len(run.config.run.stages):
+            run_stage(run, data)
+            state.stage_index += 1
+            state.step = 0
+            if run.config.checkpoint.save_at_end:
+                with steps.phase("checkpoint"):
+                    steps.checkpointer.save(data.samplers())
     except StopRun as stop:
-        ctx.progress.message(f"megarl: {stop}")
+        steps.progress.message(f"megarl: {stop}")
         return 130
     finally:
         signal.signal(signal.SIGINT, previous)
-    ctx.progress.message(f"megarl: done; run folder {ctx.run_dir}")
+    steps.progress.message(f"megarl: done; run folder {run.config.run.dir}")
     return 0
 
 
-def _interrupt_handler(ctx: RunContext):
+def _interrupt_handler(steps):
     """First Ctrl-C: finish the step, save a checkpoint, stop. Second: stop at once (the last checkpoint stands)."""
 
     def handle(signum, frame):
-        if ctx.stop_requested:
+        if steps.stop_requested:
             raise KeyboardInterrupt
-        ctx.stop_requested = True
-        ctx.progress.message("megarl: stopping after this step (a checkpoint will be saved); Ctrl-C again to abort")
+        steps.stop_requested = True
+        steps.progress.message("megarl: stopping after this step (a checkpoint will be saved); Ctrl-C again to abort")
 
     return handle
 

@@ -10,7 +10,11 @@
 A checkpoint becomes visible only when complete: it is written as `.step_N.partial`, renamed to `step_N`, and only
 then is `latest` replaced (write to a temporary file, fsync, rename). A crash at any point leaves the previous
 checkpoint as `latest`; a stale `.partial` folder is removed at the next save. Older checkpoints beyond `keep`
-are deleted only after the new one is in place.
+are deleted only after the new one is in place, and disappear at once: each is renamed to `.step_N.deleting`
+before it is removed, so a crash mid-deletion never leaves a half-deleted `step_N` behind.
+
+Nothing a run keeps using lives only inside a step folder: what a role loaded from one (HF side files, carried
+tensors) is captured at load time (checkpoint/carried.py), the trainer state is read into memory at resume.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ class RunCheckpoints:
     def begin(self, global_step: int) -> Path:
         """A fresh staging folder for the checkpoint of `global_step` (stale staging folders removed)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        for stale in self.root.glob(".step_*.partial"):
+        for stale in [*self.root.glob(".step_*.partial"), *self.root.glob(".step_*.deleting")]:
             shutil.rmtree(stale, ignore_errors=True)
         staging = self.root / f".step_{global_step}.partial"
         staging.mkdir()
@@ -93,6 +97,7 @@ class RunCheckpoints:
         """Finish a checkpoint: trainer state in, rename into place, then point `latest` at it, then prune."""
         state.save(staging)
         _fsync_dir(staging)
+        faults.hit("checkpoint.state_written")
         final = self.root / staging.name.removeprefix(".").removesuffix(".partial")
         if final.exists():  # a re-run of the same step after a crash between rename and `latest`
             shutil.rmtree(final)
@@ -100,6 +105,7 @@ class RunCheckpoints:
         _fsync_dir(self.root)
         faults.hit("checkpoint.renamed")
         _write_atomic(self.root / LATEST, final.name + "\n")
+        faults.hit("checkpoint.latest_updated")
         self._prune(final)
         return final
 
@@ -111,7 +117,10 @@ class RunCheckpoints:
         )
         for _, folder in steps[: max(len(steps) - self.keep, 0)]:
             if folder != newest:
-                shutil.rmtree(folder, ignore_errors=True)
+                doomed = folder.with_name(f".{folder.name}.deleting")
+                os.rename(folder, doomed)  # invisible at once; a crash below leaves only a hidden folder
+                faults.hit("checkpoint.rotating")
+                shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -11,8 +11,12 @@ from megarl.config.job import JobConfig
 from megarl.data.pairs import PairDataset
 from megarl.data.prompts import PromptDataset
 from megarl.data.sft import SFTDataset
-from megarl.trainer.context import RunContext
-from megarl.trainer.run_checkpoint import TrainerState
+from megarl.rewards.runner import RewardRunner
+from megarl.trainer.engine_sync import WeightSync
+from megarl.trainer.handover import Handover
+from megarl.trainer.roles import Roles
+from megarl.trainer.run_checkpoint import RunCheckpoints, TrainerState
+from megarl.trainer.steps import Steps
 
 
 @dataclass
@@ -28,6 +32,20 @@ class StageData:
     def samplers(self) -> dict[str, Any]:
         named = {"prompts": self.prompt_sampler, "sft": self.sft_sampler, "rm": self.pair_sampler}
         return {name: sampler for name, sampler in named.items() if sampler is not None}
+
+
+@dataclass
+class RunParts:
+    """What the stages of a run are built from; `run_stage` hands each loop the parts it uses."""
+
+    config: JobConfig
+    roles: Roles
+    tokenizer: Any
+    rewards: RewardRunner
+    checkpoints: RunCheckpoints
+    steps: Steps
+    handover: Handover
+    sync: WeightSync
 
 
 def build_stage_data(config: JobConfig, tokenizer) -> StageData:
@@ -62,49 +80,56 @@ def total_steps(config: JobConfig) -> int:
     return sum(stage_steps(config, stage) for stage in config.run.stages)
 
 
-def run_stage(ctx: RunContext, data: StageData) -> None:
+def run_stage(run: RunParts, data: StageData) -> None:
     from megarl.trainer.rl_loop import run_rl
     from megarl.trainer.rm_loop import run_rm
     from megarl.trainer.sft_loop import run_sft
 
-    stage, config = ctx.stage, ctx.config
-    ctx.progress.message(f"megarl: stage {stage} ({stage_steps(config, stage)} steps) from step {ctx.state.step}")
+    config, roles, steps, state = run.config, run.roles, run.steps, run.steps.state
+    stage = config.run.stages[state.stage_index]
+    steps.progress.message(f"megarl: stage {stage} ({stage_steps(config, stage)} steps) from step {state.step}")
     if stage == "sft":
-        _prepare_optimizer(ctx, config.sft.optim, config.sft.num_steps)
-        run_sft(ctx, data.sft, data.sft_sampler)
+        _prepare_optimizer(run, config.sft.optim, config.sft.num_steps)
+        run_sft(config.sft, roles.actor, data.sft, data.sft_sampler, steps, run.handover, run.sync)
     elif stage == "rm":
-        run_rm(ctx, data.pairs, data.pair_sampler)
+        run_rm(config.rm, roles.reward_model, data.pairs, data.pair_sampler, steps, run.handover)
     else:
-        _prepare_optimizer(ctx, config.actor.optim, config.rl.num_steps * config.rl.ppo_epochs * config.rl.mini_batches)
-        _prepare_rl(ctx)
+        _prepare_optimizer(run, config.actor.optim, config.rl.num_steps * config.rl.ppo_epochs * config.rl.mini_batches)
+        _prepare_rl(run)
         if config.rl.mode == "async":
             from megarl.trainer.async_loop import run_async_rl
 
-            run_async_rl(ctx, data.prompt_sampler)
+            run_async_rl(config, roles, run.tokenizer, data.prompt_sampler, steps, run.sync)
         else:
-            run_rl(ctx, data.prompt_sampler)
+            run_rl(config, roles, run.tokenizer, run.rewards, data.prompt_sampler, steps, run.handover, run.sync)
 
 
-def _prepare_optimizer(ctx: RunContext, settings, total_steps: int) -> None:
+def _prepare_optimizer(run: RunParts, settings, total_steps: int) -> None:
     """A stage that starts after another gets its own optimizer (the first stage's was built at set-up)."""
-    if ctx.state.step == 0 and ctx.state.stage_index > 0:
-        ctx.roles.actor.call("set_optimizer", settings, total_steps)
+    state = run.steps.state
+    if state.step == 0 and state.stage_index > 0:
+        run.handover.to_training()
+        run.roles.actor.call("set_optimizer", settings, total_steps)
 
 
-def _prepare_rl(ctx: RunContext) -> None:
+def _prepare_rl(run: RunParts) -> None:
     """Engines get the actor's current weights; after SFT the reference model becomes the SFT'd actor."""
-    metrics = ctx.sync_weights(new_version=ctx.state.step == 0)  # a resumed stage's engines restarted
-    previous = ctx.config.run.stages[: ctx.state.stage_index]
-    if ctx.state.step == 0 and ctx.roles.ref is not None and "sft" in previous:
-        latest = ctx.checkpoints.latest()
+    state, steps = run.steps.state, run.steps
+    previous = run.config.run.stages[: state.stage_index]
+    if state.step == 0 and run.roles.ref is not None and "sft" in previous:
+        latest = run.checkpoints.latest()
         if latest is None:
             raise RuntimeError("the reference model needs the end-of-SFT checkpoint (checkpoint.save_at_end)")
-        ctx.roles.ref.call("load_checkpoint", str(latest / "actor"), False)
-    if ctx.state.step == 0 and ctx.state.stage_index == 0 and ctx.config.rl.eval_at_start:
-        with ctx.phase("eval"):
-            metrics.update(ctx.evaluate())
-        ctx.logger.log(ctx.state.global_step, metrics)
-        ctx.progress.message(_describe_eval(metrics))
+        run.handover.to_training()
+        run.roles.ref.call("load_checkpoint", str(latest / "actor"), False)
+    # a resumed stage's engines restarted: they get the weights again, at the version they already have
+    metrics = run.handover.to_rollout(lambda: run.sync(new_version=state.step == 0))
+    if state.step == 0 and state.stage_index == 0 and run.config.rl.eval_at_start:
+        if steps.evaluator is not None:
+            with steps.phase("eval"):
+                metrics.update(steps.evaluator.evaluate())
+        steps.logger.log(state.global_step, metrics)
+        steps.progress.message(_describe_eval(metrics))
 
 
 def _describe_eval(metrics: dict[str, float]) -> str:

@@ -35,6 +35,9 @@ class OptimizerSettings:
     """GPU: shard optimizer states over data-parallel ranks (Megatron's distributed optimizer)."""
     offload_optimizer: bool = False
     """GPU: keep optimizer states on the CPU (Megatron's optimizer CPU offload)."""
+    max_consecutive_skips: int = 3
+    """Optimizer steps in a row with a non-finite gradient norm (each skipped) after which the run stops, naming the
+    role, the step and the first non-finite gradient; 0 = never stop."""
 
     def check(self, key: str) -> None:
         if self.lr < 0 or self.min_lr < 0:
@@ -44,6 +47,8 @@ class OptimizerSettings:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise UserError(f"{key}.{name}={getattr(self, name)} must be in [0, 1)")
+        if self.max_consecutive_skips < 0:
+            raise UserError(f"{key}.max_consecutive_skips={self.max_consecutive_skips} must be >= 0 (0 = never stop)")
         if self.clip_grad < 0:
             raise UserError(f"{key}.clip_grad={self.clip_grad} must be >= 0 (0 = no clipping)")
         if self.offload_optimizer and not self.use_distributed_optimizer:

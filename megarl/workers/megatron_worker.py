@@ -40,6 +40,13 @@ class MegatronWorker(Worker):
         num_params = sum(p.numel() for chunk in self.model.loaded.chunks for p in chunk.parameters())
         return {"seconds": time.perf_counter() - start, "local_params": num_params}
 
+    @property
+    def device(self):
+        """The GPU Ray gave this worker (its current CUDA device), or the CPU."""
+        from megarl.runtime.device import local_device
+
+        return local_device()
+
     def parallel_info(self) -> ParallelInfo:
         from megatron.core import parallel_state as ps
 
@@ -96,11 +103,15 @@ class MegatronWorker(Worker):
 
     # -- weights ---------------------------------------------------------------------------------------------------
 
-    def sync_weights(self, engines: list, version: int, bucket_bytes: int) -> dict[str, float]:
-        """Stream this rank's share of the HF-named weights into every rollout engine (workers/weight_sync.py)."""
+    def sync_weights(
+        self, engines: list, version: int, bucket_bytes: int, engine_devices: list[list[str]] | None = None
+    ) -> dict[str, float]:
+        """Stream this rank's share of the HF-named weights into every rollout engine (workers/weight_sync.py);
+        engines that see this rank's GPU (`engine_devices`) get CUDA IPC handles."""
         from megarl.workers.weight_sync import send_weights
 
-        return send_weights(self.model.loaded, engines, version, bucket_bytes)
+        faults.hit(f"{self.role}.sync")
+        return send_weights(self.model.loaded, engines, version, bucket_bytes, engine_devices)
 
     def export_weights(self) -> list[tuple[str, object]]:
         """This rank's share of the HF-named weights, as a sync would send them (checks and debugging; a sync
@@ -125,8 +136,8 @@ class MegatronWorker(Worker):
 
         load_role(self.model, folder, load_optimizer, load_weights)
 
-    def offload(self) -> None:
-        self.model.offload()
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        self.model.offload(params, grads, optimizer)
 
     def onload(self) -> None:
         self.model.onload()

@@ -5,7 +5,10 @@ the same interface is backed by `torch.optim.AdamW` with fp32 main parameters, g
 model-parallel ranks (each weight counted once), and the same learning-rate schedule. Both read gradients from
 Megatron DDP's buffers (`param.main_grad`), after `finalize_model_grads` has summed them over data parallelism.
 
-A step with a non-finite gradient norm is skipped (parameters and optimizer state untouched) and reported.
+Both check the global gradient norm before stepping (Megatron's optimizer alone would step on NaN gradients in
+bf16, where no grad scaler looks for them): a non-finite norm on any rank skips the step on every rank of the role
+(agreed by an all-reduce), zeroes the gradients and is reported; after `max_consecutive_skips` skips in a row the
+step raises `NonFiniteGradients`, naming the step and the first parameter whose gradient is non-finite.
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megarl.runtime.device import collective_device
 from megarl.workers.config import OptimizerSettings
+
+
+class NonFiniteGradients(FloatingPointError):
+    """Too many optimizer steps in a row had a non-finite gradient norm: the run stops (a restart would not help)."""
 
 
 @dataclass
@@ -52,19 +60,48 @@ def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
 class RoleOptimizer(ABC):
     """What a trained role needs from its optimizer."""
 
-    def __init__(self, settings: OptimizerSettings, total_steps: int):
+    def __init__(self, settings: OptimizerSettings, chunks: list[torch.nn.Module], total_steps: int):
         self.settings = settings
         self.total_steps = total_steps
         self.num_steps = 0
         """Optimizer steps taken (skipped steps included: the schedule does not stall on a bad batch)."""
+        self.consecutive_skips = 0
+        self.params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+        self._names = {id(p): n for chunk in chunks for n, p in chunk.named_parameters()}
 
     @property
     def lr(self) -> float:
         return lr_at(self.num_steps, self.settings, self.total_steps)
 
-    @abstractmethod
+    @torch.no_grad()
     def step(self) -> StepResult:
-        """Clip and apply the gradients in the DDP buffers; advance the LR schedule."""
+        """Check the global gradient norm; skip (every rank) if it is non-finite, else clip and apply the gradients
+        in the DDP buffers. The LR schedule advances either way."""
+        lr, grads = self.lr, [_grad_of(p) for p in self.params]
+        grad_norm = global_grad_norm(self.params, grads)
+        self.num_steps += 1
+        if not _finite_on_every_rank(grad_norm):
+            self.consecutive_skips += 1
+            first_bad = next((self._names.get(id(p), "?") for p, g in zip(self.params, grads) if _nonfinite(g)), None)
+            for grad in grads:
+                if grad is not None:
+                    grad.zero_()
+            limit = self.settings.max_consecutive_skips
+            if limit and self.consecutive_skips >= limit:
+                where = f"first non-finite gradient: {first_bad}" if first_bad else "this rank's gradients are finite"
+                raise NonFiniteGradients(
+                    f"{self.consecutive_skips} optimizer steps in a row had a non-finite gradient norm (the last: "
+                    f"optimizer step {self.num_steps}, norm {grad_norm}; {where}); stopping "
+                    f"(optim.max_consecutive_skips={limit}). Each was skipped, so no weight is non-finite."
+                )
+            return StepResult(False, grad_norm, lr)
+        self.consecutive_skips = 0
+        self._apply(lr, grad_norm)
+        return StepResult(True, grad_norm, lr)
+
+    @abstractmethod
+    def _apply(self, lr: float, grad_norm: float) -> None:
+        """Clip and apply finite gradients at learning rate `lr`."""
 
     @abstractmethod
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
@@ -86,9 +123,8 @@ class TorchRoleOptimizer(RoleOptimizer):
     """AdamW over fp32 main parameters (the model's own parameters when they are fp32)."""
 
     def __init__(self, settings: OptimizerSettings, chunks: list[torch.nn.Module], total_steps: int):
-        super().__init__(settings, total_steps)
-        self.params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
-        names = {id(p): n for chunk in chunks for n, p in chunk.named_parameters()}
+        super().__init__(settings, chunks, total_steps)
+        names = self._names
         # fp32 masters only for low-precision parameters; fp32 parameters are their own masters.
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
         decay, no_decay = [], []
@@ -102,19 +138,11 @@ class TorchRoleOptimizer(RoleOptimizer):
             [g for g in groups if g["params"]], lr=self.lr, betas=(settings.beta1, settings.beta2), eps=settings.eps
         )
 
-    @torch.no_grad()
-    def step(self) -> StepResult:
-        lr = self.lr
+    def _apply(self, lr: float, grad_norm: float) -> None:
         for param, master in zip(self.params, self.masters):
-            grad = getattr(param, "main_grad", None)
-            if grad is None:
-                grad = param.grad if param.grad is not None else torch.zeros_like(master)
+            grad = _grad_of(param)
+            grad = torch.zeros_like(master) if grad is None else grad
             master.grad = grad.float() if grad.dtype != torch.float32 else grad
-        grad_norm = global_grad_norm(self.params, [m.grad for m in self.masters])
-        self.num_steps += 1
-        if not math.isfinite(grad_norm):
-            self._drop_grads()
-            return StepResult(False, grad_norm, lr)
         if self.settings.clip_grad > 0 and grad_norm > self.settings.clip_grad:
             scale = self.settings.clip_grad / (grad_norm + 1e-6)
             for master in self.masters:
@@ -125,10 +153,6 @@ class TorchRoleOptimizer(RoleOptimizer):
         for param, master in zip(self.params, self.masters):
             if param is not master:
                 param.copy_(master)
-        self._drop_grads()
-        return StepResult(True, grad_norm, lr)
-
-    def _drop_grads(self) -> None:
         for master in self.masters:
             master.grad = None  # the DDP buffer owns the gradient memory; do not keep views of it
 
@@ -181,6 +205,24 @@ def _common_step(state: dict) -> float:
     return steps.pop() if steps else 0.0
 
 
+def _grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient Megatron DDP accumulated for `param` (its fp32 `main_grad` buffer view), else `.grad`."""
+    grad = getattr(param, "main_grad", None)
+    return grad if grad is not None else param.grad
+
+
+def _nonfinite(grad: torch.Tensor | None) -> bool:
+    return grad is not None and not bool(torch.isfinite(grad).all())
+
+
+def _finite_on_every_rank(grad_norm: float) -> bool:
+    """All ranks of the role agree to step or to skip (with a distributed optimizer each DP rank holds only its
+    shard of the gradients, so ranks could see different norms)."""
+    flag = torch.tensor([0.0 if math.isfinite(grad_norm) else 1.0], device=collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return not bool(flag.item())
+
+
 def global_grad_norm(params: list[torch.Tensor], grads: list[torch.Tensor]) -> float:
     """L2 norm of the gradients of the whole model: every weight counted once (tensor-parallel replicas and the
     copy of a tied embedding on the last pipeline stage excluded), summed over the model-parallel ranks; experts
@@ -190,7 +232,7 @@ def global_grad_norm(params: list[torch.Tensor], grads: list[torch.Tensor]) -> f
     from megatron.core.transformer.module import param_is_not_shared
 
     etp_rank = ps.get_expert_tensor_parallel_rank()
-    sums = torch.zeros(2, dtype=torch.float64)  # [dense, expert] sums of squares
+    sums = torch.zeros(2, dtype=torch.float64, device=collective_device())  # [dense, expert] sums of squares
     for param, grad in zip(params, grads):
         if grad is None or not param_is_not_shared(param):
             continue
@@ -199,7 +241,7 @@ def global_grad_norm(params: list[torch.Tensor], grads: list[torch.Tensor]) -> f
         duplicate = not split and etp_rank > 0 if expert else not param_is_not_tensor_parallel_duplicate(param)
         if duplicate:
             continue
-        sums[int(expert)] += grad.double().pow(2).sum()
+        sums[int(expert)] += grad.double().pow(2).sum().to(sums.device)
     dense, expert = sums[0:1].clone(), sums[1:2].clone()
     dist.all_reduce(dense, group=ps.get_model_parallel_group())
     if ps.get_expert_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
@@ -213,7 +255,7 @@ class MegatronRoleOptimizer(RoleOptimizer):
     """Megatron-Core's optimizer (GPU): mixed precision with fp32 main weights, optional distributed optimizer."""
 
     def __init__(self, settings: OptimizerSettings, chunks: list[torch.nn.Module], total_steps: int):
-        super().__init__(settings, total_steps)
+        super().__init__(settings, chunks, total_steps)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         config = chunks[0].config
@@ -241,14 +283,10 @@ class MegatronRoleOptimizer(RoleOptimizer):
             chunks,
         )
 
-    def step(self) -> StepResult:
-        lr = self.lr
+    def _apply(self, lr: float, grad_norm: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        updated, grad_norm, _ = self.optimizer.step()
-        self.num_steps += 1
-        norm = float(grad_norm) if grad_norm is not None else float("nan")
-        return StepResult(bool(updated), norm, lr)
+        self.optimizer.step()  # clips by its own norm, the same one (fp32 main gradients, every weight once)
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
         return {

@@ -53,7 +53,7 @@ def compute_logprobs(
             payload: dict[str, Any] = {"logprobs": token_logprobs(logits, tensors["input_ids"])}
             if with_entropy:
                 payload["entropy"] = token_entropy(logits)
-            return logits.new_zeros(()), torch.ones((), dtype=torch.int), payload
+            return logits.new_zeros(()), torch.ones((), dtype=torch.int, device=logits.device), payload
 
         return output, loss_fn
 

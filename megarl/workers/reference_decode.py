@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megarl.runtime.device import collective_device, local_device
 from megarl.runtime.pipeline import forward_logits
 from megarl.workers.role_model import RoleModel
 
@@ -22,13 +23,14 @@ def greedy_decode(
 
     chunks = [getattr(chunk, "module", chunk) for chunk in model.chunks]
     src = _last_stage_first_rank(ps)
+    device = local_device()
     completions = []
     for prompt in prompts:
         ids = list(prompt)
         out: list[int] = []
         for _ in range(max_new_tokens):
-            logits = forward_logits(chunks, torch.tensor([ids]), model.vocab.size)
-            token = torch.zeros(1, dtype=torch.long)
+            logits = forward_logits(chunks, torch.tensor([ids], device=device), model.vocab.size)
+            token = torch.zeros(1, dtype=torch.long, device=collective_device())
             if logits is not None:
                 token[0] = logits[0, -1].argmax()
             dist.broadcast(token, src=src)
@@ -43,7 +45,7 @@ def greedy_decode(
 def _last_stage_first_rank(ps) -> int:
     """Global rank of TP rank 0 on the last pipeline stage of data-parallel replica 0 (every replica decodes the
     same prompts, so any one of them can speak for all)."""
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.long)
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.long, device=collective_device())
     first_of_stage = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     flags[dist.get_rank()] = int(ps.is_pipeline_last_stage() and first_of_stage)
     dist.all_reduce(flags)

@@ -41,7 +41,9 @@ def _check_finite(model: RoleModel) -> None:
     """Never write a checkpoint with NaN or Inf weights (collective: every rank learns whether any rank has one)."""
     import torch.distributed as dist
 
-    bad = torch.zeros(1)
+    from megarl.runtime.device import collective_device
+
+    bad = torch.zeros(1, device=collective_device())
     for chunk in model.loaded.chunks:
         for param in chunk.parameters():
             if not torch.isfinite(param).all():

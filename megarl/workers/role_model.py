@@ -8,7 +8,7 @@ loss functions weight every token by its share of the global mini-batch; see wor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,8 @@ class RoleModel:
     """What runs forward: the DDP-wrapped chunks when trained, the bare ones otherwise."""
     optimizer: RoleOptimizer | None
     settings: ModelSettings
+    _offloaded: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(("params", "grads", "optimizer"), False))
+    """What `offload` moved off the accelerator and `onload` must bring back."""
 
     @property
     def trainable(self) -> bool:
@@ -40,27 +42,49 @@ class RoleModel:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
 
-    def offload(self) -> None:
-        """Hand accelerator memory to a colocated role: gradient buffers freed, parameters and optimizer state
-        moved to host memory. On a CPU-only machine parameters already live in host memory and stay put."""
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> None:
+        """Hand accelerator memory to a colocated rollout engine: gradient buffers freed, parameters and optimizer
+        state moved to host memory (each as asked; what is offloaded already stays so). On a CPU-only machine
+        parameters already live in host memory and stay put. Frozen roles (ref) offload their weights only."""
+        cuda = torch.cuda.is_available()
         if not self.trainable:
+            if params and cuda and not self._offloaded["params"]:
+                for chunk in self.chunks:
+                    chunk.to("cpu")
+            self._offloaded["params"] |= params and cuda
             return
         for chunk in self.chunks:
-            chunk.offload_grad_buffers(synchronize=torch.cuda.is_available(), empty_cache=torch.cuda.is_available())
-            if torch.cuda.is_available():
+            if grads and not self._offloaded["grads"]:
+                chunk.offload_grad_buffers(synchronize=cuda, empty_cache=cuda)
+            if params and cuda and not self._offloaded["params"]:
                 for buffer in chunk.buffers + chunk.expert_parallel_buffers:
                     buffer.offload_to_cpu(move_params=True, move_grads=False)
-        self.optimizer.offload()
+        if optimizer and not self._offloaded["optimizer"]:
+            self.optimizer.offload()
+        self._offloaded["grads"] |= grads
+        self._offloaded["params"] |= params and cuda
+        self._offloaded["optimizer"] |= optimizer
+        if cuda:
+            torch.cuda.empty_cache()
 
     def onload(self) -> None:
+        """Bring back everything `offload` moved (a no-op when nothing is offloaded)."""
+        cuda, offloaded = torch.cuda.is_available(), self._offloaded
         if not self.trainable:
-            return
-        for chunk in self.chunks:
-            if torch.cuda.is_available():
-                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-                    buffer.reload_from_cpu(move_params=True, move_grads=False)
-            chunk.restore_grad_buffers(synchronize=torch.cuda.is_available())
-        self.optimizer.onload()
+            if offloaded["params"]:
+                device = torch.device("cuda", torch.cuda.current_device())
+                for chunk in self.chunks:
+                    chunk.to(device)
+        else:
+            for chunk in self.chunks:
+                if offloaded["params"]:
+                    for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                        buffer.reload_from_cpu(move_params=True, move_grads=False)
+                if offloaded["grads"]:
+                    chunk.restore_grad_buffers(synchronize=cuda)
+            if offloaded["optimizer"]:
+                self.optimizer.onload()
+        self._offloaded = dict.fromkeys(self._offloaded, False)
 
 
 def role_config_overrides(settings: ModelSettings, trainable: bool, moe: bool) -> dict:

@@ -25,7 +25,7 @@ from megarl.errors import UserError
 from megarl.rollout.config import RolloutConfig, SamplingParams
 from megarl.rollout.engine import Bucket, Completion, GenerateRequest, RolloutEngine, SyncStats
 from megarl.runtime import faults
-from megarl.workers.bucket_transport import PackedTensor, unpack_bucket
+from megarl.workers.bucket_transport import IpcBucket, PackedTensor, unpack_bucket, unpack_bucket_ipc
 
 ENGINES = {
     "hf": "megarl.rollout.hf_engine:HFEngine",
@@ -104,6 +104,16 @@ class RolloutWorker(Worker):
         """A bucket as `send_weights` ships it (megarl/workers/bucket_transport.py)."""
         self.apply_bucket(unpack_bucket(packed))
 
+    def apply_ipc_bucket(self, packed: IpcBucket) -> None:
+        """A bucket shared from a colocated actor rank's GPU (CUDA IPC): copied into the engine before returning."""
+        self.apply_bucket(unpack_bucket_ipc(packed))
+
+    def device_uuids(self) -> list[str]:
+        """The GPUs this worker sees: actor ranks on one of them send CUDA IPC buckets instead of host copies."""
+        from megarl.workers.bucket_transport import visible_device_uuids
+
+        return visible_device_uuids()
+
     def apply_bucket(self, bucket: Bucket) -> None:
         with self._lock:
             self.engine.apply_bucket(bucket)
@@ -116,13 +126,14 @@ class RolloutWorker(Worker):
             seconds = time.perf_counter() - self._sync_start
             return SyncStats(version, self._sync_tensors, self._sync_bytes, seconds)
 
-    def release_memory(self) -> None:
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free the engine's accelerator memory (`tags` among rollout.engine.MEMORY_TAGS; None: all)."""
         with self._lock:
-            self.engine.release_memory()
+            self.engine.release_memory(tags)
 
-    def resume_memory(self) -> None:
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         with self._lock:
-            self.engine.resume_memory()
+            self.engine.resume_memory(tags)
 
     def health(self) -> dict[str, Any]:
         return self.engine.health()

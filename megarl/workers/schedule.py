@@ -112,7 +112,9 @@ def _agree_max(value: int) -> int:
     """The largest `value` over every rank of the role (a collective)."""
     import torch.distributed as dist
 
-    tensor = torch.tensor([value], dtype=torch.long)
+    from megarl.runtime.device import collective_device
+
+    tensor = torch.tensor([value], dtype=torch.long, device=collective_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return int(tensor.item())
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megarl.data.batch import Batch
 from megarl.runtime import faults
+from megarl.runtime.device import collective_device
 from megarl.workers.role_model import RoleModel
 from megarl.workers.schedule import gpt_output, run_schedule, schedule_shape, split_micro_batches
 
@@ -51,8 +52,8 @@ def train_step(
         def loss_fn(output_tensor: torch.Tensor):
             loss, sums = objective(output_tensor, tensors)
             payload = {name: torch.stack([s.detach().double(), w.detach().double()]) for name, (s, w) in sums.items()}
-            payload["loss"] = torch.stack([loss.detach().double(), torch.ones((), dtype=torch.double)])
-            return loss, torch.ones((), dtype=torch.int), payload
+            payload["loss"] = torch.stack([loss.detach().double(), loss.new_ones((), dtype=torch.double)])
+            return loss, loss.new_ones((), dtype=torch.int), payload
 
         return output, loss_fn
 
@@ -77,9 +78,9 @@ def _reduce_metrics(payloads: list[dict[str, Any]]) -> dict[str, float]:
     names = sorted(payloads[0]) if payloads else []
     # Every rank must agree on the names before the collectives: the last stage has them, others do not.
     names = _broadcast_from_last_stage(names)
-    sums = torch.zeros(len(names), 2, dtype=torch.double)
+    sums = torch.zeros(len(names), 2, dtype=torch.double, device=collective_device())
     for payload in payloads:
-        sums += torch.stack([payload[name] for name in names])
+        sums += torch.stack([payload[name] for name in names]).to(sums.device)
     if payloads:
         dist.all_reduce(sums, group=ps.get_data_parallel_group())
     sums = _broadcast_tensor_from_last_stage(sums)

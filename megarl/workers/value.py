@@ -47,14 +47,14 @@ def _forward_rows(model: RoleModel, batch: Batch, max_tokens: int, name: str, fn
 
     def step(chunk: torch.nn.Module, tensors: dict[str, torch.Tensor]):
         output = gpt_output(chunk, tensors)
-        return output, lambda out: (out.new_zeros(()), torch.ones((), dtype=torch.int), {name: fn(out, tensors)})
+        return output, lambda out: (out.new_zeros(()), out.new_ones((), dtype=torch.int), {name: fn(out, tensors)})
 
     payloads = run_schedule(model.chunks, micro_batches, step, forward_only=True)
     if not is_output_rank():
         return None
     num_rows, width = batch["input_ids"].shape
     if payloads[0][name].dim() == 1:  # one number per row
-        out = torch.zeros(num_rows)
+        out = payloads[0][name].new_zeros(num_rows)
         for micro_batch, payload in zip(micro_batches, payloads):
             if micro_batch.rows:
                 out[micro_batch.rows] = payload[name][: len(micro_batch.rows)]

@@ -1,0 +1,106 @@
+"""GPU benchmark: weight sync (refit) from a Megatron actor into the colocated hf engine on the same GPU, as the
+trainer does it (Ray workers, placement colocated), next to the device's own copy bandwidth.
+
+    python tools/bench/gpu_refit.py [--reps 5] [--bucket-mb 512] [--json out.json]
+
+The model is the ~0.5B Qwen2-class one of gpu_train_step.py (bf16). Transports: CUDA IPC (the engine maps the
+actor's flattened bucket and copies device to device) and, for comparison, the Ray object store (host copies).
+Reports GB/s of each sync and of a device-to-device copy of the same bytes (target: IPC sync >= 40% of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def device_copy_gbps(worker, num_bytes: int, reps: int) -> float:
+    """Inside a worker: GB/s of copying `num_bytes` from one CUDA buffer to another."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return num_bytes / statistics.median(times) / 1e9
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import sys
+
+    import ray
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu_train_step import build_checkpoint
+
+    from megarl.cluster.config import ClusterConfig
+    from megarl.cluster.ray_runtime import start_ray, stop_ray
+    from megarl.cluster.resource_pool import ResourcePool
+    from megarl.cluster.worker_group import WorkerGroup
+    from megarl.rollout.config import HFEngineConfig, RolloutConfig
+    from megarl.runtime.parallel import ParallelConfig
+    from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings
+    from megarl.workers.megatron_worker import MegatronWorker
+    from megarl.workers.rollout_worker import RolloutWorker
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    result: dict = {"device": torch.cuda.get_device_name()}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "qwen2-0.5b"
+        build_checkpoint(folder)
+        start_ray(ClusterConfig(num_cpus=8, log_to_driver=False))
+        pool = ResourcePool("train", num_nodes=1, gpus_per_node=1)
+        try:
+            actor = WorkerGroup(MegatronWorker, pool, "actor", num_gpus_per_worker=0.5)
+            rollout = WorkerGroup(RolloutWorker, pool, "rollout", world_size=1, num_gpus_per_worker=0.5)
+            settings = ModelSettings(path=str(folder), dtype="bfloat16", parallel=ParallelConfig())
+            actor.call("setup", settings, MicroBatchSettings(), "lm", OptimizerSettings(), 10)
+            rollout.call("setup", str(folder), RolloutConfig(hf=HFEngineConfig(dtype="bfloat16")))
+            devices = rollout.call("device_uuids")
+            for transport, engine_devices in (("cuda_ipc", devices), ("object_store", None)):
+                seconds, num_bytes = [], 0.0
+                for version in range(1, args.reps + 2):
+                    start = time.perf_counter()
+                    rollout.call("begin_weight_update", version)
+                    (sent,) = actor.call(
+                        "sync_weights", rollout.workers, version, args.bucket_mb << 20, engine_devices, collect="all"
+                    )
+                    rollout.call("finish_weight_update", version)
+                    if version > 1:  # the first sync warms up allocations and the IPC mappings
+                        seconds.append(time.perf_counter() - start)
+                    num_bytes = sent["bytes"]
+                median = statistics.median(seconds)
+                result[transport] = {"seconds": median, "gb_per_s": num_bytes / median / 1e9, "bytes": num_bytes}
+            copy = actor.workers[0].__ray_call__.remote(device_copy_gbps, int(result["cuda_ipc"]["bytes"]), 5)
+            result["device_copy_gb_per_s"] = ray.get(copy)
+        finally:
+            pool.remove()
+            stop_ray()
+    result["ipc_fraction_of_copy"] = result["cuda_ipc"]["gb_per_s"] / result["device_copy_gb_per_s"]
+    print(
+        f"refit {result['cuda_ipc']['bytes'] / 1e9:.2f} GB: CUDA IPC {result['cuda_ipc']['seconds']:.3f} s "
+        f"({result['cuda_ipc']['gb_per_s']:.1f} GB/s, {result['ipc_fraction_of_copy']:.0%} of the device copy "
+        f"{result['device_copy_gb_per_s']:.0f} GB/s; target 40%), "
+        f"object store {result['object_store']['seconds']:.3f} s"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
