@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from megarl.bridge.safetensors_io import HFCheckpoint
-from megarl.checkpoint.model_dir import EXTRA_DIR, HF_DIR, is_weight_file, write_hf_tensors
+from megarl.checkpoint.model_dir import EXTRA_DIR, HF_DIR, hf_side_files, write_hf_tensors
 
 _COPY_CHUNK_BYTES = 64 * 2**20
 
@@ -69,8 +69,4 @@ class CarriedFiles:
 
 
 def _read_side_files(hf_dir: Path) -> dict[str, bytes]:
-    return {
-        path.name: path.read_bytes()
-        for path in sorted(Path(hf_dir).iterdir())
-        if path.is_file() and not is_weight_file(path.name)
-    }
+    return {path.name: path.read_bytes() for path in hf_side_files(hf_dir)}

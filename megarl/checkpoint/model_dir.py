@@ -104,15 +104,18 @@ def is_weight_file(name: str) -> bool:
     return name.endswith(_WEIGHT_SUFFIXES) or name in _WEIGHT_INDEXES
 
 
+def hf_side_files(src: Path) -> list[Path]:
+    """The top-level non-weight files of a HF model folder (config, tokenizer, generation config, docs)."""
+    return [path for path in sorted(Path(src).iterdir()) if path.is_file() and not is_weight_file(path.name)]
+
+
 def copy_hf_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy the top-level non-weight files of a HF model folder (config, tokenizer, generation config, docs)."""
+    """Copy `hf_side_files(src)` into `dst`."""
     dst.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for path in sorted(Path(src).iterdir()):
-        if path.is_file() and not is_weight_file(path.name):
-            shutil.copy2(path, dst / path.name)
-            copied.append(path.name)
-    return copied
+    files = hf_side_files(src)
+    for path in files:
+        shutil.copy2(path, dst / path.name)
+    return [path.name for path in files]
 
 
 def write_hf_tensors(

@@ -58,7 +58,7 @@ class Handover:
         if not self.enabled:
             return sync() if sync is not None else {}
         if self.holder == "rollout":
-            return sync() if sync is not None else {}  # only the KV cache is in the way of nothing here
+            return sync() if sync is not None else {}  # the engines hold the GPUs already (KV cache resident)
         offload = self.offload
         released = self.holder == "training"  # the engines gave their weights back at the last handover
         for group in self.roles.training_groups():

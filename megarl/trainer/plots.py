@@ -63,6 +63,7 @@ PLOT_GROUPS = (
     PlotGroup("mismatch", "Training-inference mismatch", "mismatch", (r"^mismatch/",)),
     PlotGroup("timing", "Time per step", "seconds", (rf"^{TIMING_PREFIX}",), kind="stacked", smooth=False),
     PlotGroup("throughput", "Throughput", "tokens / s", (r"^throughput/",)),
+    PlotGroup("memory", "Memory at the end of each phase", "GiB", (r"^memory/",), smooth=False),
     PlotGroup("loss", "Losses", "loss", (r"(^|/|_)loss$",)),
     PlotGroup("clipping", "Clipped fractions", "fraction", (r"(^|/)[^/]*clip_?(frac|ratio)[^/]*$",)),
     PlotGroup("grad_norm", "Gradient norm", "grad norm (before clipping)", (r"grad_norm",), log_y=True),

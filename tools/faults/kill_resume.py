@@ -39,6 +39,8 @@ CHECKPOINT_POINTS = (
     "checkpoint.rotating",
 )
 STEP_POINTS = ("phase.rollout", "phase.update", "phase.sync", "step.logged")
+ASYNC_PHASES = {"phase.rollout": "phase.wait"}
+"""The async loop has no rollout phase on the main thread (a producer thread generates): it waits for a batch."""
 WORKER_POINTS = ("rollout.generate", "actor.update", "actor.sync")
 VOLATILE = ("time", "timing/", "throughput/", "memory/", "sync/seconds", "sync/engine_seconds", "async/")
 """Metric keys that measure the machine, not the run (wall times, memory): not compared."""
@@ -71,7 +73,9 @@ class Scenario:
         return "".join(c if c.isalnum() else "-" for c in self.describe()).strip("-")
 
 
-def scenarios(num: int, seed: int, max_count: int, run_seconds: float, chains: bool = False) -> list[Scenario]:
+def scenarios(
+    num: int, seed: int, max_count: int, run_seconds: float, chains: bool = False, async_loop: bool = False
+) -> list[Scenario]:
     """`num` scenarios, deterministic in `seed`: checkpoint points, step points, random moments and (with
     `chains`) worker kills and kill-resume-kill chains, in turn. Named checkpoint points fire on one of their first
     `max_count` passes; step points within the first few steps."""
@@ -81,7 +85,8 @@ def scenarios(num: int, seed: int, max_count: int, run_seconds: float, chains: b
         return Kill(CHECKPOINT_POINTS[i % len(CHECKPOINT_POINTS)], rng.randint(1, max_count))
 
     def step_kill(i: int) -> Kill:
-        return Kill(STEP_POINTS[i % len(STEP_POINTS)], rng.randint(1, 3 * max_count))
+        point = STEP_POINTS[i % len(STEP_POINTS)]
+        return Kill(ASYNC_PHASES.get(point, point) if async_loop else point, rng.randint(1, 3 * max_count))
 
     def moment() -> Kill:
         return Kill(after_s=rng.uniform(0.15, 0.65) * run_seconds)
@@ -223,6 +228,13 @@ def run_scenario(
     return codes, problems, rotated
 
 
+def _is_async(args) -> bool:
+    from megarl.config import load_config
+    from megarl.config.job import JobConfig
+
+    return load_config(JobConfig, args.config, args.overrides).rl.mode == "async"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, type=Path)
@@ -246,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"uninterrupted run: {seconds:.0f} s", flush=True)
     reference = read_steps(reference_dir)
     failures = 0
-    for scenario in scenarios(args.points, args.seed, args.max_count, seconds, args.chains):
+    for scenario in scenarios(args.points, args.seed, args.max_count, seconds, args.chains, _is_async(args)):
         began = time.monotonic()
         codes, problems, rotated = run_scenario(args.config, args.work, scenario, reference, args.overrides)
         failures += bool(problems)
