@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import one_result, sample_ids
 from job_helpers import megarl_train, metrics, write_config
+from test_weight_sync import engine_tensors
 
 pytestmark = [
     pytest.mark.gpu,
@@ -110,8 +111,6 @@ def test_non_finite_gradients_in_bf16_skip_the_step_then_stop_the_run(tmp_path):
 
 
 def test_cuda_ipc_sync_leaves_the_colocated_engine_with_the_trained_weights(hf_checkpoint):
-    import ray
-
     from megarl.algorithms.aggregation import loss_weights
     from megarl.algorithms.config import PolicyLossConfig
     from megarl.algorithms.losses import PolicyLoss
@@ -150,15 +149,7 @@ def test_cuda_ipc_sync_leaves_the_colocated_engine_with_the_trained_weights(hf_c
         assert sent["ipc_engines"] == 1
         trained = dict(actor.call("export_weights", collect="rank0"))
 
-        def read(worker, names):
-            state = worker.engine.model.state_dict()
-            out = {}
-            for name in names:
-                where = worker.engine.weights.destination(name)
-                out[name] = state[where.target][where.index].detach().cpu().clone()
-            return out
-
-        held = ray.get(rollout.workers[0].__ray_call__.remote(read, list(trained)))
+        held = engine_tensors(rollout, list(trained))
         assert all(torch.equal(held[name], trained[name].cpu()) for name in trained)
     finally:
         pool.remove()

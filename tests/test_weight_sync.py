@@ -67,7 +67,7 @@ def engine_tensors(rollout, names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
         for name in names:
             where = worker.engine.weights.destination(name)
-            out[name] = state[where.target][where.index].clone() if where is not None else None
+            out[name] = state[where.target][where.index].detach().cpu().clone() if where is not None else None
         return out
 
     return ray.get(rollout.workers[0].__ray_call__.remote(read, names))
