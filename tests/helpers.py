@@ -82,6 +82,21 @@ def exported_weights(path: str, layout: tuple[int, int, int], bucket_bytes: int,
     return sent, bucket_sizes
 
 
+def exported_bucket_names(path: str, layout: tuple[int, int, int], bucket_bytes: int) -> list[list[str]]:
+    """Load at `layout` and export: the names in each bucket this rank sent."""
+    return [[name for name, _ in bucket] for bucket in _export(path, layout, bucket_bytes)]
+
+
+def _export(path: str, layout: tuple[int, int, int], bucket_bytes: int):
+    from megarl.bridge.exporter import export_hf_weights
+    from megarl.checkpoint.model_io import load_model
+    from megarl.runtime.distributed import init_model_parallel
+
+    init_model_parallel(as_parallel(layout))
+    model = load_model(path, as_parallel(layout), torch.float32)
+    yield from export_hf_weights(model.bridge, model.hf_dtypes, bucket_bytes=bucket_bytes)
+
+
 def save_at_layout(path: str, layout: tuple[int, int, int], dst: str) -> None:
     """Load `path` at `layout` and save it as a megarl checkpoint from the live, sharded model."""
     from megarl.checkpoint.model_io import load_model, save_model

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from helpers import (
+    exported_bucket_names,
     exported_weights,
     hf_logits,
     layout_id,
@@ -194,3 +195,19 @@ def test_expert_count_differing_from_config(ranks1, hf_checkpoint, tmp_path):
     (src / "config.json").write_text(json.dumps({**config, "n_routed_experts": 16, "n_group": 8}))
     with pytest.raises(Exception, match=r"missing tensors \(e\.g\. .*mlp\.experts\.8\..*wrong shape \(e\.g\. .*gate"):
         ranks1.run(convert_hf_to_mcore, str(src), str(tmp_path / "d"), show_progress=False)
+
+
+@pytest.mark.parametrize("layout", [P(pp=2, ep=2), P(tp=2, ep=2)], ids=layout_id)
+def test_deepseek_fused_projections_share_a_bucket_whatever_the_bucket_size(ranks4, hf_checkpoint, layout):
+    # SGLang's DeepSeek loader fuses q_a_proj and kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa only when both
+    # arrive in one load_weights call; split across buckets, both stay unloaded without an error.
+    folder = hf_checkpoint("tiny-deepseek-v3")
+    buckets = [b for rank in ranks4.run(exported_bucket_names, str(folder), layout, 1) for b in rank]
+    num_layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    for layer in range(num_layers):
+        attn = f"model.layers.{layer}.self_attn"
+        q_a, kv_a = f"{attn}.q_a_proj.weight", f"{attn}.kv_a_proj_with_mqa.weight"
+        holding = [b for b in buckets if q_a in b or kv_a in b]
+        assert len(holding) == 1 and q_a in holding[0] and kv_a in holding[0], (layer, holding)
+    # the rest still goes one tensor per bucket at a 1-byte budget
+    assert sorted(len(b) for b in buckets)[-num_layers - 1] == 1

@@ -83,3 +83,21 @@ def test_bucket_builder_bounds_buckets():
     buckets.append(builder.flush())
     assert [[name for name, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
     assert builder.flush() is None
+
+
+def test_travel_groups_keep_fused_tensors_in_one_bucket():
+    import torch
+
+    from megarl.bridge.buckets import travel_groups
+
+    names = ["l0.q_a", "l0.other", "l0.kv_a", "l1.q_a", "l1.kv_a", "l2.kv_a"]  # l2 has no q_a: no group there
+    together = travel_groups(names, [("q_a", "kv_a")])
+    assert together["l0.q_a"] == frozenset({"l0.q_a", "l0.kv_a"}) and "l2.kv_a" not in together
+    builder = BucketBuilder(max_bytes=10, together=together)
+    buckets = [b for n in names if (b := builder.add(n, torch.zeros(10, dtype=torch.uint8)))]
+    buckets.append(builder.flush())
+    assert [[name for name, _ in b] for b in buckets] == [
+        ["l0.q_a", "l0.other", "l0.kv_a"],  # no cut while l0's group is half-collected
+        ["l1.q_a", "l1.kv_a"],
+        ["l2.kv_a"],
+    ]

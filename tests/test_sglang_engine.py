@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import importlib.util
 import json
 import pickle
 import random
@@ -419,6 +418,41 @@ def test_weight_update_failure_is_a_clear_error(fake):
     assert info.value.status == 400
 
 
+def test_a_failed_weight_update_quarantines_the_engine_until_a_complete_one(fake):
+    engine = make_engine(fake)
+    engine.update_weights([[("a", torch.ones(2))]], version=1)
+    engine.begin_weight_update(2)
+    engine.apply_bucket([("a", torch.zeros(2))])  # a first bucket lands ...
+    fake.fail_update = "Failed to update parameter online: size mismatch"
+    with pytest.raises(SGLangError, match=r"refused weight bucket b \(\+1 more\)"):
+        engine.apply_bucket([("b", torch.zeros(2)), ("c", torch.zeros(2))])  # ... the second does not
+    assert not fake.session_open  # the weight-update session was closed
+    with pytest.raises(SGLangError, match="refuses to generate: a weight update failed at bucket b"):
+        engine.generate([GenerateRequest([1])], SamplingParams(max_new_tokens=1))
+    fake.fail_update = None
+    engine.update_weights([[("a", torch.ones(2)), ("b", torch.ones(2)), ("c", torch.ones(2))]], version=3)
+    (c,) = engine.generate([GenerateRequest([1])], SamplingParams(max_new_tokens=1))[0]
+    assert c.weight_version == 3
+
+
+def test_cache_is_flushed_after_every_update_and_in_place_pauses_are_refused():
+    with pytest.raises(UserError, match="pause_mode='in_place': valid are abort, retract"):
+        SGLangEngineConfig(pause_mode="in_place").check("rollout.sglang")
+
+
+def test_requests_are_fitted_into_the_context_window(fake):
+    engine = make_engine(fake)
+    engine.context_len = 10
+    requests = [GenerateRequest([1] * 4), GenerateRequest([2] * 8), GenerateRequest([3] * 10), GenerateRequest([4] * 3)]
+    out = engine.generate(requests, SamplingParams(max_new_tokens=5))
+    (_, body) = next(call for call in fake.calls if call[0] == "/generate")
+    # 4 + 5 fits; 8 leaves room for 2; 10 fills the window: not sent (SGLang would fail the whole batch with 400)
+    assert [p["max_new_tokens"] for p in body["sampling_params"]] == [5, 2, 5]
+    assert [len(ids) for ids in body["input_ids"]] == [4, 8, 3]
+    assert [len(c.token_ids) for (c,) in out][2] == 0 and out[2][0].finish_reason == "length"
+    assert engine.num_dropped == 1
+
+
 def test_distributed_engines_take_weights_from_the_sender(fake):
     engine = SGLangEngine("/ckpt", SGLangEngineConfig(tp=4), url=fake.url, weight_sync="distributed")
     assert engine.endpoint.url == fake.url and engine.endpoint.num_ranks == 4
@@ -479,17 +513,17 @@ def test_abort_and_memory(fake):
     ]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed: it would start")
 def test_launched_server_that_dies_reports_exit_code_and_log(tmp_path):
-    """The real launch path: `python -m sglang.launch_server` exits at once here (no sglang installed)."""
+    """The real launch path: `python -m sglang.launch_server` exits at once here (no sglang installed, or only its
+    CPU-importable parts for the contract tests)."""
     config = SGLangEngineConfig(startup_timeout_s=60)
     start = time.monotonic()
     with pytest.raises(SGLangServerError) as info:
         SGLangEngine("/ckpt/tiny", config, log_path=tmp_path / "sglang.log")
     assert time.monotonic() - start < 20
     message = str(info.value)
-    assert "exited with code 1 while starting" in message
-    assert "No module named 'sglang'" in message and f"{sys.executable} -m sglang.launch_server" in message
+    assert "exited with code 1 while starting" in message and "last lines of" in message
+    assert f"{sys.executable} -m sglang.launch_server --model-path /ckpt/tiny" in message
 
 
 STAND_IN_LAUNCH_SERVER = '''
@@ -500,10 +534,12 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 parser = argparse.ArgumentParser()
 for flag in ("--model-path", "--host", "--port", "--base-gpu-id", "--tp-size", "--dtype"):
     parser.add_argument(flag, required=True)
+parser.add_argument("--load-format")
 parser.add_argument("--skip-server-warmup", action="store_true")
 args = parser.parse_args()
 print("argv", json.dumps(sys.argv[1:]), flush=True)
-print("SGLANG_RETURN_ORIGINAL_LOGPROB", os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB"), flush=True)
+for name in ("SGLANG_RETURN_ORIGINAL_LOGPROB", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"):
+    print(name, os.environ.get(name), flush=True)
 
 class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
@@ -512,6 +548,7 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def do_POST(self):
+        print("POST", self.path, flush=True)
         print("scheduler crashed: CUDA error: an illegal memory access was encountered", flush=True)
         os._exit(7)
 
@@ -522,27 +559,54 @@ HTTPServer((args.host, int(args.port)), Handler).serve_forever()
 '''
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed: it would shadow")
-def test_launch_path_with_a_stand_in_sglang_module(tmp_path, monkeypatch):
-    """SGLangEngine's own launch: the real command line reaches a stand-in `sglang.launch_server`, which becomes
-    healthy, then dies on the first generate call: the error carries its exit code and last log lines."""
+def stand_in_sglang(tmp_path, monkeypatch) -> None:
+    """Put a stand-in `sglang.launch_server` first on the server's PYTHONPATH (ahead of an installed sglang)."""
     package = tmp_path / "stand_in" / "sglang"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "launch_server.py").write_text(STAND_IN_LAUNCH_SERVER)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "stand_in"))
+
+
+def test_launch_path_with_a_stand_in_sglang_module(tmp_path, monkeypatch):
+    """SGLangEngine's own launch: the real command line reaches a stand-in `sglang.launch_server`, which becomes
+    healthy, then dies on the first generate call: the error carries its exit code and last log lines."""
+    stand_in_sglang(tmp_path, monkeypatch)
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
-    engine = SGLangEngine("/ckpt/tiny", SGLangEngineConfig(startup_timeout_s=30), log_path=tmp_path / "s.log")
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"")  # a folder with weights: SGLang loads them
+    engine = SGLangEngine(model, SGLangEngineConfig(startup_timeout_s=30), log_path=tmp_path / "s.log")
     try:
         assert engine.health()["ok"] and engine.url.startswith("http://127.0.0.1:")
         log = engine.server.log_tail()
-        assert '"--model-path", "/ckpt/tiny", "--host", "127.0.0.1"' in log and "--skip-server-warmup" in log
+        assert f'"--model-path", "{model}", "--host", "127.0.0.1"' in log and "--skip-server-warmup" in log
+        assert "--load-format" not in log
         assert "SGLANG_RETURN_ORIGINAL_LOGPROB None" in log  # removed from the server's environment
+        assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION 0" in log  # GET /health must not generate
         with pytest.raises(SGLangServerError) as info:
             engine.generate([GenerateRequest([1, 2])], SamplingParams(max_new_tokens=2))
         message = str(info.value)
         assert "exited with code 7 during the call" in message and "an illegal memory access" in message
         assert engine.health() == {"ok": False, "weight_version": 0, "url": engine.url,
                                    "error": "server process exited with code 7"}  # fmt: skip
+    finally:
+        engine.shutdown()
+
+
+def test_engine_on_a_folder_without_weights_starts_dummy_and_waits_for_the_first_sync(tmp_path, monkeypatch):
+    """A megarl checkpoint's hf/ folder has config and tokenizer only: SGLang refuses to start on it unless told
+    --load-format dummy; the engine then refuses to generate until a weight update has completed."""
+    stand_in_sglang(tmp_path, monkeypatch)
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 64}')
+    engine = SGLangEngine(model, SGLangEngineConfig(startup_timeout_s=30), log_path=tmp_path / "s.log")
+    try:
+        assert '"--load-format", "dummy"' in engine.server.log_tail()
+        assert engine.context_len == 64
+        with pytest.raises(SGLangError, match="refuses to generate: it started with dummy weights"):
+            engine.generate([GenerateRequest([1, 2])], SamplingParams(max_new_tokens=2))
+        assert "POST" not in engine.server.log_tail()  # nothing reached the server (the stand-in dies on a POST)
     finally:
         engine.shutdown()

@@ -100,7 +100,8 @@ def test_command_runs_sglang_launch_server_with_this_python():
     command = build_server_command(SGLangEngineConfig(), "m", host="h", port=2)
     assert command[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert command[3:] == build_server_args(SGLangEngineConfig(), "m", host="h", port=2)
-    assert build_server_command(SGLangEngineConfig(), "m", host="h", port=2, python="/venv/bin/python")[0] == (
+    # rollout.sglang.python: the server runs in another environment (SGLang's own pinned torch)
+    assert build_server_command(SGLangEngineConfig(python="/venv/bin/python"), "m", host="h", port=2)[0] == (
         "/venv/bin/python"
     )
 
@@ -126,6 +127,7 @@ def test_env_selects_gpus_and_drops_what_breaks_the_logprob_convention():
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in env
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # only the memory saver minds it
     assert env["PATH"] == "/bin"
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"  # GET /health answers without generating
     saver = build_server_env(SGLangEngineConfig(enable_memory_saver=True), base=base)
     assert "PYTORCH_CUDA_ALLOC_CONF" not in saver and "CUDA_VISIBLE_DEVICES" not in saver
     assert base["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"  # the caller's mapping is left alone

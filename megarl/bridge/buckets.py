@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import torch
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -9,29 +11,62 @@ Bucket = list[tuple[str, torch.Tensor]]
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 
 
+def travel_groups(names: Iterable[str], suffix_groups: Iterable[tuple[str, ...]]) -> dict[str, frozenset[str]]:
+    """Name -> the names it must share a bucket with, for every complete group among `names`.
+
+    `suffix_groups` lists tensors an engine fuses at load time, as name suffixes under one common prefix (e.g.
+    ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight") for each DeepSeek layer). A group applies
+    only where all of its members are present (DeepSeek-V2-Lite has no q_a_proj: nothing to fuse).
+    """
+    present = set(names)
+    together: dict[str, frozenset[str]] = {}
+    for suffixes in suffix_groups:
+        first = suffixes[0]
+        for name in present:
+            if not name.endswith(first):
+                continue
+            prefix = name[: -len(first)]
+            members = frozenset(prefix + suffix for suffix in suffixes)
+            if members <= present:
+                together.update(dict.fromkeys(members, members))
+    return together
+
+
 class BucketBuilder:
     """Collects (name, tensor) pairs; hands out a bucket whenever the next tensor would push it past `max_bytes`.
 
-    A bucket exceeds `max_bytes` only when it holds a single tensor that is larger by itself.
+    Tensors of one travel group (`together`, see travel_groups) always land in the same bucket: a bucket is cut only
+    where no group is half-collected, which SGLang's DeepSeek loader needs (it fuses q_a_proj and kv_a_proj_with_mqa
+    only when both arrive in one load call, and silently leaves them unloaded otherwise). A bucket exceeds
+    `max_bytes` only by a tensor larger than it by itself, or by the rest of a group it must complete.
     """
 
-    def __init__(self, max_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, max_bytes: int = DEFAULT_BUCKET_BYTES, together: Mapping[str, frozenset[str]] | None = None):
         if max_bytes <= 0:
             raise ValueError(f"bucket size must be positive, got {max_bytes}")
         self.max_bytes = max_bytes
+        self.together = dict(together or {})
         self._items: Bucket = []
         self._bytes = 0
+        self._open: dict[frozenset[str], set[str]] = {}
+        """Groups with some members in the current bucket: the members still missing."""
 
     def add(self, name: str, tensor: torch.Tensor) -> Bucket | None:
         """Add a tensor; return the previous bucket if this one did not fit into it."""
         full = None
-        if self._items and self._bytes + tensor.nbytes > self.max_bytes:
+        if self._items and not self._open and self._bytes + tensor.nbytes > self.max_bytes:
             full = self.flush()
         self._items.append((name, tensor))
         self._bytes += tensor.nbytes
+        group = self.together.get(name)
+        if group is not None:
+            missing = self._open.setdefault(group, set(group))
+            missing.discard(name)
+            if not missing:
+                del self._open[group]
         return full
 
     def flush(self) -> Bucket | None:
         """The bucket in progress (None if empty); starts a new one."""
-        items, self._items, self._bytes = self._items, [], 0
+        items, self._items, self._bytes, self._open = self._items, [], 0, {}
         return items or None

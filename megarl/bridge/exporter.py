@@ -2,7 +2,8 @@
 
 Contract (DESIGN.md): the union of the buckets over all sending ranks is exactly the HF checkpoint, each tensor
 once, in its HF dtype. TP shards are gathered to the TP group's first rank, which sends; each pipeline stage sends
-its own layers; each expert-parallel rank sends its own experts (gathered over expert TP). Of the replicas holding
+its own layers; each expert-parallel rank sends its own experts (gathered over expert TP); tensors an engine fuses at
+load time share a bucket (Architecture.load_groups). Of the replicas holding
 the same weights, only the first takes part: data-parallel (and context-parallel) rank 0 for dense weights,
 expert-data-parallel rank 0 for experts. Memory beyond the model: one bucket plus the tensor being gathered.
 """
@@ -14,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from megarl.bridge.buckets import DEFAULT_BUCKET_BYTES, Bucket, BucketBuilder
+from megarl.bridge.buckets import DEFAULT_BUCKET_BYTES, Bucket, BucketBuilder, travel_groups
 from megarl.bridge.model_bridge import Binding, ModelBridge
 
 
@@ -68,7 +69,7 @@ def export_hf_weights(
     """
     roles = _Roles()
     dtype_of = _dtype_lookup(hf_dtypes)
-    builder = BucketBuilder(bucket_bytes)
+    builder = BucketBuilder(bucket_bytes, travel_groups(bridge.hf_names(exported_only=True), bridge.load_groups))
     for binding in bridge.bindings:
         participates, group = roles.of(binding)
         if not binding.mapping.export or not participates:

@@ -83,10 +83,13 @@ class ModelBridge:
         chunks: Sequence[torch.nn.Module],
         vocab: VocabInfo,
         param_aliases: MappingType[str, str] | None = None,
+        load_groups: Sequence[tuple[str, ...]] = (),
     ):
         from megatron.core import parallel_state as ps
 
         self.vocab = vocab
+        self.load_groups = tuple(load_groups)
+        """Tensors that must share a weight-sync bucket (Architecture.load_groups)."""
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         self.etp_rank = ps.get_expert_tensor_parallel_rank()
         self.etp_size = ps.get_expert_tensor_parallel_world_size()

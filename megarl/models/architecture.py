@@ -77,6 +77,9 @@ class Architecture:
     Megatron training does not use them yet: conversion carries them through unchanged."""
     unsupported: dict[str, Any] = field(default_factory=dict)
     """config.json keys whose truthy values this family's Megatron model cannot reproduce, with the reason."""
+    load_groups: tuple[tuple[str, ...], ...] = ()
+    """Tensors an inference engine fuses at load time, only when they arrive in the same load call: name suffixes
+    under one common prefix. Weight sync keeps each group in one bucket (bridge/buckets.py)."""
     derived_hf_tensors: tuple[str, ...] = (r"\.rotary_emb\.inv_freq$",)
     """Regexes of tensors some checkpoints carry but that are recomputed from config.json (older transformers
     saved RoPE frequencies): skipped on import, and reported."""

@@ -116,4 +116,6 @@ def build_bridge(arch: Architecture, hf_config, chunks: list, vocab: VocabInfo, 
     """The architecture's weight table bound to `chunks` (whichever layer spec built them)."""
     from megarl.bridge.model_bridge import ModelBridge
 
-    return ModelBridge(arch.mappings(hf_config, head), chunks, vocab, param_aliases=TE_TO_LOCAL)
+    return ModelBridge(
+        arch.mappings(hf_config, head), chunks, vocab, param_aliases=TE_TO_LOCAL, load_groups=arch.load_groups
+    )

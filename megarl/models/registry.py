@@ -44,6 +44,8 @@ ARCHITECTURES: dict[str, Architecture] = {
                 shared_experts_key="n_shared_experts",
             ),
             mtp_layers_key="num_nextn_predict_layers",
+            # SGLang's DeepseekV2 loader fuses these into fused_qkv_a_proj_with_mqa (q_lora_rank set)
+            load_groups=(("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),),
         ),
     ]
 }

@@ -99,10 +99,16 @@ class SGLangEngineConfig:
     for per-request seeds (GenerateRequest.seed) to take effect: without it SGLang ignores them."""
     enable_memory_saver: bool = False
     """SGLang's --enable-memory-saver, needed by release_memory / resume_memory (engine colocated with training)."""
-    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    pause_mode: Literal["abort", "retract"] = "abort"
     """How generation pauses for a weight update: `abort` returns unfinished completions (finish_reason abort) to be
-    resumed as partial rollouts; `retract` keeps them in SGLang and recomputes them under the new weights; `in_place`
-    keeps them with their KV cache from the old weights (the radix cache is not flushed)."""
+    resumed as partial rollouts; `retract` keeps them in SGLang and recomputes them under the new weights. (SGLang's
+    `in_place` is refused: it keeps old-weight KV entries that SGLang then cannot flush.)"""
+    context_length: int | None = None
+    """The server's context window in tokens (SGLang's --context-length); None: the checkpoint's
+    max_position_embeddings. Requests are fitted into it before they are sent (see sglang_engine)."""
+    python: str | None = None
+    """Interpreter that runs the server (`python -m sglang.launch_server`), e.g. a separate environment or a
+    container's python with SGLang's pinned torch; None: the rollout worker's own interpreter."""
     skip_server_warmup: bool = True
     """Skip SGLang's warm-up request at start-up (readiness is probed with /health_generate instead)."""
     extra_args: dict[str, str] = field(default_factory=dict)
@@ -145,6 +151,13 @@ class SGLangEngineConfig:
             )
         if self.enable_dp_attention and self.dp == 1:
             warnings.warn(f"{key}.enable_dp_attention has no effect with {key}.dp=1", stacklevel=2)
+        if self.pause_mode not in ("abort", "retract"):
+            raise UserError(
+                f"{key}.pause_mode={self.pause_mode!r}: valid are abort, retract (SGLang's in_place pause keeps KV "
+                f"entries computed with the old weights and cannot flush them after the update)"
+            )
+        if self.context_length is not None and self.context_length < 2:
+            raise UserError(f"{key}.context_length={self.context_length} must be >= 2 or null")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise UserError(f"{key}.mem_fraction_static={self.mem_fraction_static} must be in (0, 1) or null")
         for name in ("startup_timeout_s", "request_timeout_s", "control_timeout_s", "health_timeout_s"):
@@ -172,6 +185,15 @@ class RolloutConfig:
     """GPUs of one rollout engine (sglang: its tp; hf: 1). The engines share the rollout GPUs evenly."""
     bucket_bytes: int = 512 * 2**20
     """Largest weight-sync bucket, in bytes."""
+    weight_sync: Literal["auto", "ipc", "nccl", "object_store"] = "auto"
+    """How weights reach the engines: `ipc` (CUDA IPC handles from the actor's GPU, engines on the same GPUs),
+    `nccl` (SGLang engines on other GPUs: a broadcast group set up once), `object_store` (host copies through Ray's
+    object store: CPU, and the fallback); `auto` picks ipc when colocated on GPUs, nccl when split with SGLang,
+    object_store otherwise."""
+    verify_sync: Literal["first", "every", "never"] = "first"
+    """Check that the engine holds the weights just sent (SGLang: checksums of a sample of tensors through its
+    weights checker; a mismatch stops the run naming the tensor): after the first sync, after every sync, or
+    never."""
 
     def check(self, key: str) -> None:
         if self.gpus_per_engine < 1:

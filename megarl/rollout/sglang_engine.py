@@ -46,11 +46,15 @@ as this process sees it (`visible_device_index`).
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
 import random
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -64,6 +68,7 @@ from megarl.rollout.sglang_server import (
     build_server_command,
     build_server_env,
     find_free_port,
+    has_weight_files,
     url_of,
 )
 from megarl.rollout.sglang_weights import Serializer, SGLangEndpoint, send_flattened_bucket, sglang_serializer
@@ -77,6 +82,8 @@ __all__ = [
     "visible_device_index",
 ]
 
+logger = logging.getLogger(__name__)
+
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -87,7 +94,10 @@ class Slot:
     request_index: int
     sample_index: int
     max_new_tokens: int
-    """New tokens this item may still generate (max_new_tokens minus the prefix)."""
+    """New tokens this item may still generate (max_new_tokens minus the prefix, fitted into the context)."""
+    dropped: bool = False
+    """Not sent: prompt and prefix already fill the server's context window (the completion ends at once, with
+    finish_reason `length`)."""
 
 
 def sampling_params_of(sampling: SamplingParams, max_new_tokens: int, seed: int | None) -> dict[str, Any]:
@@ -112,13 +122,16 @@ def build_generate_payload(
     requests: Sequence[GenerateRequest],
     sampling: SamplingParams,
     draw_seed: Callable[[], int] | None = None,
+    context_len: int | None = None,
 ) -> tuple[dict[str, Any] | None, list[Slot]]:
     """The /generate body for `sampling.n` samples of each request, and where each item came from.
 
     Sample j of a request with seed s gets `sample_seed(s, j)`; an unseeded request draws s from `draw_seed()`
     (None: its samples get no seed). Samples whose prefix already
     fills max_new_tokens are left out of the body (their Slot has max_new_tokens 0); the body is None when none is
-    left.
+    left. With `context_len`, every item is fitted into the server's context window before it is sent, as SGLang
+    checks it (input >= context_len, or input + max_new_tokens > context_len, fails the whole batch with HTTP 400):
+    max_new_tokens is clamped to what is left, and a request with no room left is not sent (Slot.dropped).
     """
     input_ids, params, rids, slots = [], [], [], []
     for i, request in enumerate(requests):
@@ -126,10 +139,13 @@ def build_generate_payload(
         tokens = list(request.prompt_ids) + list(request.prefix_ids)
         # the prefix counts towards max_new_tokens: a resumed rollout ends where the uninterrupted one would
         budget = sampling.max_new_tokens - len(request.prefix_ids)
+        dropped = context_len is not None and len(tokens) >= context_len
+        if context_len is not None:
+            budget = 0 if dropped else min(budget, context_len - len(tokens))
         base = request.request_id if request.request_id is not None else uuid.uuid4().hex
         seed = request.seed if request.seed is not None or draw_seed is None else draw_seed()
         for j in range(sampling.n):
-            slots.append(Slot(i, j, max(budget, 0)))
+            slots.append(Slot(i, j, max(budget, 0), dropped))
             if budget <= 0:
                 continue
             input_ids.append(tokens)
@@ -141,6 +157,25 @@ def build_generate_payload(
     if not input_ids:
         return None, slots
     return {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": rids}, slots
+
+
+def bucket_label(bucket: Bucket) -> str:
+    """A bucket as an error message names it: its first tensor, and how many more."""
+    if not bucket:
+        return "(empty)"
+    first = bucket[0][0]
+    return first if len(bucket) == 1 else f"{first} (+{len(bucket) - 1} more)"
+
+
+def context_length_of(model_path: str | os.PathLike) -> int | None:
+    """The context window SGLang gives a checkpoint without --context-length: its config.json
+    max_position_embeddings (None when it has none: requests are then sent as they are)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
+    return int(value) if value else None
 
 
 def check_request(i: int, request: GenerateRequest) -> None:
@@ -270,6 +305,18 @@ class SGLangEngine(RolloutEngine):
             ipc_device = torch.device("cuda", torch.cuda.current_device())
         self.ipc_device = ipc_device
         self.weight_version = 0
+        # a server launched here on a folder without weights starts with dummy ones (url given: already running)
+        self.load_format = "dummy" if url is None and not has_weight_files(self.model_path) else None
+        self.not_serving: str | None = None
+        """Why generate is refused (None: serving): no weights yet, or a weight update that did not complete."""
+        if self.load_format == "dummy":
+            self.not_serving = (
+                f"it started with dummy weights ({self.model_path} holds no weight files, as a megarl checkpoint's "
+                f"hf/ folder) and no weight sync has completed yet"
+            )
+        self.context_len = config.context_length or context_length_of(self.model_path)
+        self.num_dropped = 0
+        """Requests not sent because their prompt (and prefix) filled the context window, since start."""
         self._sessions = True
         self._rng = random.Random(config.random_seed)
         self.server: SGLangServer | None = None
@@ -277,7 +324,7 @@ class SGLangEngine(RolloutEngine):
             port = port or find_free_port(host)
             url = url_of(host, port)
             self.server = SGLangServer(
-                build_server_command(config, self.model_path, host=host, port=port),
+                build_server_command(config, self.model_path, host=host, port=port, load_format=self.load_format),
                 url,
                 env=build_server_env(config, gpu_ids),
                 log_path=log_path,
@@ -295,7 +342,16 @@ class SGLangEngine(RolloutEngine):
 
     # ---- generation ------------------------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingParams) -> list[list[Completion]]:
-        payload, slots = build_generate_payload(requests, sampling, self._draw_seed)
+        if self.not_serving is not None:
+            raise SGLangError(f"SGLang engine {self.url} refuses to generate: {self.not_serving}", url=self.url)
+        payload, slots = build_generate_payload(requests, sampling, self._draw_seed, self.context_len)
+        dropped = sum(slot.dropped for slot in slots)
+        if dropped:
+            self.num_dropped += dropped
+            logger.warning(
+                "%d of %d samples not sent to %s: prompt and prefix fill its %d-token context window (%d so far)",
+                dropped, len(slots), self.url, self.context_len, self.num_dropped,
+            )
         items: list[Any] = []
         if payload is not None:
             items = self._call(self.client.generate, payload, self.config.request_timeout_s)
@@ -333,24 +389,45 @@ class SGLangEngine(RolloutEngine):
                 "SGLangEngine.apply_bucket is the colocated path (weight_sync='tensor'); with weight_sync="
                 f"'{self.weight_sync}' the trainer's SGLangWeightSender broadcasts the buckets to {self.url}"
             )
-        self._call(
-            send_flattened_bucket,
-            self.client,
-            bucket,
-            num_ranks=self.config.num_gpus(),
-            serializer=self.serializer,
-            device=self.ipc_device,
-            rank_devices=self.ipc_rank_devices,
-        )
+        with self.update_guard(bucket):
+            self._call(
+                send_flattened_bucket,
+                self.client,
+                bucket,
+                num_ranks=self.config.num_gpus(),
+                serializer=self.serializer,
+                device=self.ipc_device,
+                rank_devices=self.ipc_rank_devices,
+            )
+
+    @contextlib.contextmanager
+    def update_guard(self, bucket: Bucket):
+        """Around loading one bucket (by any transport): if it fails, the engine holds a mix of old and new weights,
+        so it stops serving until a complete update succeeds, its weight-update session is closed, and the error
+        names the first tensor of the bucket SGLang refused."""
+        try:
+            yield
+        except Exception as e:
+            self.not_serving = f"a weight update failed at bucket {bucket_label(bucket)}; it holds mixed weights"
+            if self._sessions:
+                with contextlib.suppress(Exception):  # closing the session must not hide the real error
+                    self.client.end_weight_update()
+            raise SGLangError(
+                f"SGLang {self.url} refused weight bucket {bucket_label(bucket)}: {e}. The engine now refuses to "
+                f"generate until a complete weight update succeeds",
+                url=self.url,
+                status=getattr(e, "status", None),
+            ) from e
 
     def finish_weight_update(self, version: int) -> None:
         if self._sessions:
             self._call(self.client.end_weight_update)
         self._call(self.client.update_weight_version, str(version))
-        if self.config.pause_mode != "in_place":  # in place keeps the paused requests' KV: SGLang refuses to flush
-            self._call(self.client.flush_cache)
+        # always: cached prefixes were computed with the old weights (pause_mode never keeps requests in place)
+        self._call(self.client.flush_cache)
         self._call(self.client.continue_generation)
         self.weight_version = version
+        self.not_serving = None
 
     def flush_cache(self) -> None:
         self._call(self.client.flush_cache)

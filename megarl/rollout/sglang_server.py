@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from megarl.rollout.config import SGLangEngineConfig
@@ -28,12 +29,14 @@ from megarl.rollout.sglang_client import SGLangClient, SGLangError
 
 __all__ = [
     "MANAGED_ARGS",
+    "NodePlace",
     "SGLangServer",
     "SGLangServerError",
     "build_server_args",
     "build_server_command",
     "build_server_env",
     "find_free_port",
+    "has_weight_files",
     "url_of",
 ]
 
@@ -55,12 +58,22 @@ MANAGED_ARGS = {
     "enable_deterministic_inference": "deterministic",
     "enable_memory_saver": "enable_memory_saver",
     "skip_server_warmup": "skip_server_warmup",
+    "load_format": "the rollout model (dummy when it has no weight files: the first sync loads them)",
+    "context_length": "context_length",
+    "nnodes": "the engine's nodes",
+    "node_rank": "the engine's nodes",
+    "dist_init_addr": "the engine's nodes",
 }
 """ServerArgs names the engine sets from its own settings (SGLang's name -> the setting that controls it)."""
 
 ENV_REMOVED = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
 """Environment variables never passed to the server: SGLANG_RETURN_ORIGINAL_LOGPROB would make SGLang return
 log-probs before temperature scaling, breaking megarl's log-prob convention (see sglang_engine)."""
+
+ENV_SET = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+"""Environment the server always gets: GET /health answers from the server's state instead of generating a token
+(SGLang's default), so health checks neither queue behind a paused or memory-released engine nor touch its cache.
+Readiness still uses /health_generate, which does generate."""
 
 ENV_REMOVED_WITH_MEMORY_SAVER = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 """A training job's allocator settings (expandable segments) that SGLang's memory saver cannot work with."""
@@ -73,12 +86,37 @@ class SGLangServerError(SGLangError):
     """The server process failed to start, died, or did not become healthy in time."""
 
 
+@dataclass(frozen=True)
+class NodePlace:
+    """Where one server process sits in an engine that spans nodes (SGLang's --nnodes / --node-rank)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    """host:port of node 0, where the engine's processes meet (needed when nnodes > 1)."""
+
+
 def build_server_args(
-    config: SGLangEngineConfig, model_path: str | os.PathLike, *, host: str, port: int, base_gpu_id: int = 0
+    config: SGLangEngineConfig,
+    model_path: str | os.PathLike,
+    *,
+    host: str,
+    port: int,
+    base_gpu_id: int = 0,
+    load_format: str | None = None,
+    node: NodePlace = NodePlace(),
 ) -> list[str]:
-    """The server's arguments (without the interpreter and module), in a fixed order."""
+    """The server's arguments (without the interpreter and module), in a fixed order. `load_format` "dummy" starts
+    without reading weights (random values until the first sync)."""
     args = ["--model-path", str(model_path), "--host", host, "--port", str(port)]
+    if load_format is not None:
+        args += ["--load-format", load_format]
     args += ["--base-gpu-id", str(base_gpu_id), "--tp-size", str(config.tp)]
+    if node.nnodes > 1:
+        if not node.dist_init_addr:
+            raise ValueError(f"an engine on {node.nnodes} nodes needs dist_init_addr (host:port of its node 0)")
+        args += ["--nnodes", str(node.nnodes), "--node-rank", str(node.node_rank)]
+        args += ["--dist-init-addr", node.dist_init_addr]
     if config.enable_dp_attention and config.dp > 1:
         args += ["--attn-dp-size", str(config.dp)]
     if config.ep > 1:
@@ -86,6 +124,8 @@ def build_server_args(
     if config.mem_fraction_static is not None:
         args += ["--mem-fraction-static", repr(float(config.mem_fraction_static))]
     args += ["--dtype", config.dtype]
+    if config.context_length is not None:
+        args += ["--context-length", str(config.context_length)]
     if config.random_seed is not None:
         args += ["--random-seed", str(config.random_seed)]
     switches = {
@@ -112,11 +152,20 @@ def build_server_command(
     host: str,
     port: int,
     base_gpu_id: int = 0,
-    python: str | None = None,
+    load_format: str | None = None,
+    node: NodePlace = NodePlace(),
 ) -> list[str]:
-    """`python -m sglang.launch_server ...` with this interpreter by default."""
-    head = [python or sys.executable, "-m", "sglang.launch_server"]
-    return head + build_server_args(config, model_path, host=host, port=port, base_gpu_id=base_gpu_id)
+    """`python -m sglang.launch_server ...` with `config.python` (default: this interpreter)."""
+    head = [config.python or sys.executable, "-m", "sglang.launch_server"]
+    return head + build_server_args(
+        config, model_path, host=host, port=port, base_gpu_id=base_gpu_id, load_format=load_format, node=node
+    )
+
+
+def has_weight_files(model_path: str | os.PathLike) -> bool:
+    """Does the folder hold weights SGLang can load? (A megarl checkpoint's hf/ folder has config and tokenizer.)"""
+    folder = Path(model_path)
+    return any(folder.glob("*.safetensors")) or any(folder.glob("*.bin")) or any(folder.glob("*.pt"))
 
 
 def build_server_env(
@@ -137,6 +186,7 @@ def build_server_env(
     if config.enable_memory_saver:
         for name in ENV_REMOVED_WITH_MEMORY_SAVER:
             env.pop(name, None)
+    env.update(ENV_SET)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
