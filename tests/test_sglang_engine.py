@@ -26,6 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+import sglang_contract
 import torch
 
 from megarl.errors import UserError
@@ -200,6 +201,7 @@ class FakeSGLang:
         self.fail_update: str | None = None
         self.flush_refusals = 0
         self.delay: dict[str, float] = {}
+        self.rejected: list[tuple[str, str]] = []
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -214,7 +216,7 @@ class FakeSGLang:
                 path = self.path.split("?")[0]
                 fake.calls.append((path, body))
                 time.sleep(fake.delay.get(path, 0.0))
-                status, answer = fake.route(path, body)
+                status, answer = fake.validate(path, body) or fake.route(path, body)
                 data = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
                 with contextlib.suppress(ConnectionError):  # the client may have timed out already
                     self.send_response(status)
@@ -238,6 +240,18 @@ class FakeSGLang:
 
     def paths(self) -> list[str]:
         return [path for path, _ in self.calls]
+
+    def validate(self, path: str, body: Any) -> tuple[int, Any] | None:
+        """Every body goes through SGLang's own request types first (where the pinned sglang is installed, as in CI):
+        what SGLang would refuse, this server refuses too, so the fake cannot drift from SGLang."""
+        if not sglang_contract.installed() or path not in sglang_contract.REQUEST_TYPES | {"/generate": ""}:
+            return None
+        try:
+            sglang_contract.validate_request(path, body)
+        except Exception as e:  # SGLang's HTTP layer answers 422 (FastAPI) or 400 for bodies it cannot read
+            self.rejected.append((path, str(e)))
+            return 422, {"detail": f"{type(e).__name__}: {e}"}
+        return None
 
     # ---- SGLang's behaviour, endpoint by endpoint ----
     def route(self, path: str, body: Any) -> tuple[int, Any]:
@@ -331,6 +345,7 @@ def fake():
     server = FakeSGLang()
     yield server
     server.close()
+    assert not server.rejected, f"SGLang's request types refused what megarl sent: {server.rejected}"
 
 
 def make_engine(fake: FakeSGLang, **config) -> SGLangEngine:
@@ -382,14 +397,14 @@ def test_colocated_weight_update_through_fake_server(fake):
     assert stats.num_tensors == 4 and engine.weight_version == 7
     assert fake.paths() == [
         "/pause_generation", "/begin_weight_update",
-        "/update_weights_from_tensor", "/update_weights_from_tensor", "/update_weights_from_tensor",  # 3 dtypes
+        "/update_weights_from_tensor",  # one request per bucket, whatever its dtypes: one load_weights call
         "/update_weights_from_tensor",
         "/end_weight_update", "/update_weight_version", "/flush_cache", "/continue_generation",
     ]  # fmt: skip
     assert fake.calls[0][1] == {"mode": "abort"}
     tensor_calls = [body for path, body in fake.calls if path == "/update_weights_from_tensor"]
     assert all(len(b["serialized_named_tensors"]) == 2 and b["flush_cache"] is False for b in tensor_calls)
-    assert fake.calls[7][1] == {"new_version": "7", "abort_all_requests": False}
+    assert fake.calls[5][1] == {"new_version": "7", "abort_all_requests": False}
     for name, tensor in [*bucket, ("emb", None)]:
         if tensor is not None:
             assert fake.weights[name].dtype == tensor.dtype and torch.equal(fake.weights[name], tensor)

@@ -31,7 +31,7 @@ from megarl.rollout.sglang_weights import (
     FlatBucket,
     SGLangEndpoint,
     SGLangWeightSender,
-    flatten_by_dtype,
+    flatten_bucket,
     pickle_serializer,
     sglang_serializer,
     unflatten,
@@ -70,68 +70,53 @@ def mixed_bucket(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
 # ---- flattening --------------------------------------------------------------------------------------------------
 
 
-def test_flatten_groups_by_dtype_with_element_offsets():
+def test_flatten_lays_bytes_out_back_to_back_with_aligned_offsets():
     bucket = mixed_bucket()
-    parts = flatten_by_dtype(bucket)
-    assert [p.dtype for p in parts] == [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.uint8]
-    bf16 = parts[0]
-    assert [(e.name, e.shape, e.start, e.end) for e in bf16.entries] == [
-        ("model.embed_tokens.weight", (5, 4), 0, 20),
-        ("model.layers.0.self_attn.k_norm.weight", (2, 4), 20, 28),
-        ("model.norm.weight", (), 28, 29),
-    ]
-    assert bf16.flat.shape == (29,) and bf16.flat.is_contiguous() and bf16.nbytes == 58
-    assert sum(len(p.entries) for p in parts) == len(bucket)
-    for part in parts:
-        assert part.entries[-1].end == part.flat.numel()
-        assert all(a.end == b.start for a, b in zip(part.entries, part.entries[1:]))
+    part = flatten_bucket(bucket)
+    assert part.flat.dtype == torch.uint8 and part.flat.dim() == 1 and part.flat.is_contiguous()
+    sizes = [e.dtype.itemsize for e in part.entries]
+    assert sizes == sorted(sizes, reverse=True)  # 8-byte, then 4, 2, 1: every offset a multiple of its itemsize
+    assert all(e.start % e.dtype.itemsize == 0 for e in part.entries)
+    assert part.entries[0].start == 0 and part.entries[-1].end == part.flat.numel() == part.nbytes
+    assert all(a.end == b.start for a, b in zip(part.entries, part.entries[1:]))
+    assert part.names[:2] == ["step", "model.layers.0.self_attn.q_proj.weight"]  # stable within an itemsize
+    assert part.dtypes[0] == "int64" and part.shapes[1] == [6, 8]
 
 
 def test_flatten_round_trip_is_bit_exact():
     bucket = mixed_bucket()
-    rebuilt = {name: t for part in flatten_by_dtype(bucket) for name, t in unflatten(part)}
+    rebuilt = dict(unflatten(flatten_bucket(bucket)))
     assert set(rebuilt) == {n for n, _ in bucket}
     for name, tensor in bucket:
         assert_same(rebuilt[name], tensor, name)
 
 
 def sglang_reconstruct(flat: torch.Tensor, metadata) -> dict[str, torch.Tensor]:
-    """SGLang 0.5.23's receiver: flat[start:end].view(dtype).reshape(shape)."""
+    """SGLang 0.5.23's receiver (FlattenedTensorBucket.reconstruct_tensors): flat[start:end].view(dtype).reshape(shape);
+    the contract tests run SGLang's own."""
     return {m.name: flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape) for m in metadata}
 
 
-def sglang_reconstruct_older(flat: torch.Tensor, metadata) -> dict[str, torch.Tensor]:
-    """Older SGLang receivers: flat[start:end].reshape(shape), cast if the dtype differs."""
-    out = {}
-    for m in metadata:
-        t = flat[m.start_idx : m.end_idx].reshape(m.shape)
-        out[m.name] = t if t.dtype == m.dtype else t.to(m.dtype)
-    return out
-
-
-@pytest.mark.parametrize("reconstruct", [sglang_reconstruct, sglang_reconstruct_older])
-def test_payload_decodes_in_both_sglang_receivers(reconstruct):
+def test_payload_decodes_in_sglang_receiver():
     bucket = mixed_bucket(1)
-    received = {}
-    for part in flatten_by_dtype(bucket):
-        data = pickle.loads(base64.b64decode(pickle_serializer(part)))
-        assert set(data) == {"flattened_tensor", "metadata"}
-        for m in data["metadata"]:
-            assert m.numel == m.end_idx - m.start_idx and isinstance(m.shape, torch.Size)
-        received |= reconstruct(data["flattened_tensor"], data["metadata"])
+    data = pickle.loads(base64.b64decode(pickle_serializer(flatten_bucket(bucket))))
+    assert set(data) == {"flattened_tensor", "metadata"}
+    for m in data["metadata"]:
+        assert m.numel == m.end_idx - m.start_idx and isinstance(m.shape, torch.Size)
+    received = sglang_reconstruct(data["flattened_tensor"], data["metadata"])
     for name, tensor in bucket:
         assert_same(received[name], tensor, name)
 
 
 def test_sglang_serializer_needs_gpu_tensors():
-    (part,) = flatten_by_dtype([("w", torch.ones(2))])
+    part = flatten_bucket([("w", torch.ones(2))])
     with pytest.raises(SGLangError, match="must be on a GPU; got cpu"):
         sglang_serializer(part)
 
 
 def test_flatten_to_device_and_empty_bucket():
-    assert flatten_by_dtype([]) == []
-    (part,) = flatten_by_dtype([("w", torch.arange(4.0))], device="cpu")
+    assert flatten_bucket([]) is None
+    part = flatten_bucket([("w", torch.arange(4.0))], device="cpu")
     assert isinstance(part, FlatBucket) and part.flat.device.type == "cpu"
 
 
@@ -169,16 +154,20 @@ def receiver_main(port_queue, result_queue) -> None:
         if any(name.startswith("refuse.") for name in body["names"]):
             return {"success": False, "message": "update_weights_from_distributed must run between "
                     "begin_weight_update() and end_weight_update()"}  # fmt: skip
+        assert body["load_format"] == "flattened_bucket"
         pg = groups[body["group_name"]]
-        received, works = [], []
+        received, offset = [], 0  # FlattenedTensorBucket.empty: byte offsets, each aligned to its itemsize
         for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-            works.append(torch.distributed.broadcast(tensor, src=0, group=pg, async_op=True))
-            received.append((name, tensor))
-        for work in works:
-            work.wait()
+            dtype = getattr(torch, dtype)
+            assert offset % dtype.itemsize == 0, (name, offset)
+            size = torch.Size(shape).numel() * dtype.itemsize
+            received.append((name, dtype, shape, offset, offset + size))
+            offset += size
+        flat = torch.empty(offset, dtype=torch.uint8)
+        torch.distributed.broadcast(flat, src=0, group=pg)
+        received = [(n, flat[a:b].view(d).reshape(shape)) for n, d, shape, a, b in received]
         expected = expected_buckets.pop(0)
-        ok = [n for n, _ in received] == list(expected) and all(
+        ok = sorted(n for n, _ in received) == sorted(expected) and all(
             t.dtype == expected[n].dtype and t.shape == expected[n].shape and torch.equal(bits(t), bits(expected[n]))
             for n, t in received
         )
@@ -283,9 +272,9 @@ def test_split_transport_over_gloo():
         buckets = [m for m in messages if m[0] == "bucket"]
         assert [ok for _, ok, _ in buckets] == [True, True]  # the receiver checked names, dtypes, shapes, values
         for (_, _, received), expected in zip(buckets, [mixed_bucket(2), mixed_bucket(3)]):
-            assert [n for n, _ in received] == [n for n, _ in expected]
-            for (name, got), (_, want) in zip(received, expected):
-                assert_same(got, want, name)
+            assert sorted(n for n, _ in received) == sorted(n for n, _ in expected)
+            for name, want in expected:
+                assert_same(dict(received)[name], want, name)
         (sent,) = [m for m in messages if m[0] == "sent"]
         assert sent[1] == (20, sum(t.nbytes for _, t in mixed_bucket(2) + mixed_bucket(3)))
         assert ("destroyed", GROUP) in messages

@@ -27,6 +27,17 @@ from megarl.models.hf_config import dtype_name, parse_dtype
 FORMAT = "megarl-mcore"
 FORMAT_VERSION = 1
 INFO_FILE = "megarl.json"
+
+
+def is_megarl_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / INFO_FILE).is_file()
+
+
+def hf_config_dir(path: str | Path) -> Path:
+    """The folder holding config.json: the HF folder itself, or a megarl checkpoint's hf/."""
+    return Path(path) / HF_DIR if is_megarl_checkpoint(path) else Path(path)
+
+
 MANIFEST_FILE = "hf_tensors.json"
 HF_DIR = "hf"
 EXTRA_DIR = "hf_extra"

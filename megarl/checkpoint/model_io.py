@@ -23,9 +23,9 @@ from megarl.checkpoint.carried import CarriedFiles
 from megarl.checkpoint.dist_io import check_loadable, load_model_weights, save_model_weights
 from megarl.checkpoint.model_dir import (
     HF_DIR,
-    INFO_FILE,
     MODEL_DIR,
     ModelCheckpointInfo,
+    is_megarl_checkpoint,
     load_manifest,
     save_manifest,
 )
@@ -67,15 +67,6 @@ class LoadedModel:
         dtypes = {name: default for name in self.bridge.hf_names(exported_only=True)}
         dtypes.update({spec.name: spec.dtype for spec in self.hf_specs})
         return dtypes
-
-
-def is_megarl_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / INFO_FILE).is_file()
-
-
-def hf_config_dir(path: str | Path) -> Path:
-    """The folder holding config.json: the HF folder itself, or a megarl checkpoint's hf/."""
-    return Path(path) / HF_DIR if is_megarl_checkpoint(path) else Path(path)
 
 
 def load_model(

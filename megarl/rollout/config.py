@@ -106,6 +106,8 @@ class SGLangEngineConfig:
     context_length: int | None = None
     """The server's context window in tokens (SGLang's --context-length); None: the checkpoint's
     max_position_embeddings. Requests are fitted into it before they are sent (see sglang_engine)."""
+    port: int = 30000
+    """HTTP port of the first engine on a node; engine k of a node uses port + k (open these between nodes)."""
     python: str | None = None
     """Interpreter that runs the server (`python -m sglang.launch_server`), e.g. a separate environment or a
     container's python with SGLang's pinned torch; None: the rollout worker's own interpreter."""
@@ -156,6 +158,8 @@ class SGLangEngineConfig:
                 f"{key}.pause_mode={self.pause_mode!r}: valid are abort, retract (SGLang's in_place pause keeps KV "
                 f"entries computed with the old weights and cannot flush them after the update)"
             )
+        if not 1024 <= self.port <= 65535 - 200:
+            raise UserError(f"{key}.port={self.port} must be in 1024..{65535 - 200} (engines use port .. port + 199)")
         if self.context_length is not None and self.context_length < 2:
             raise UserError(f"{key}.context_length={self.context_length} must be >= 2 or null")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:

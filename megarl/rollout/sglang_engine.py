@@ -350,7 +350,11 @@ class SGLangEngine(RolloutEngine):
             self.num_dropped += dropped
             logger.warning(
                 "%d of %d samples not sent to %s: prompt and prefix fill its %d-token context window (%d so far)",
-                dropped, len(slots), self.url, self.context_len, self.num_dropped,
+                dropped,
+                len(slots),
+                self.url,
+                self.context_len,
+                self.num_dropped,
             )
         items: list[Any] = []
         if payload is not None:

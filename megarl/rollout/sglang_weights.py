@@ -1,14 +1,13 @@
 """Weight sync into SGLang servers: flattened buckets over CUDA IPC (colocated) and NCCL broadcast (split placement).
 
-**Colocated (`update_weights_from_tensor`, load_format "flattened_bucket").** A bucket is split by dtype; each part
-becomes one contiguous 1-D tensor plus metadata (name, shape, dtype, start and end offsets in elements, numel), the
-records SGLang's `FlattenedTensorBucket` rebuilds tensors from (sglang 0.5.23, `srt/weight_sync/tensor_bucket.py`;
-the receiving side is `_update_weights_from_flattened_bucket` in `srt/model_executor/model_runner_components/
-weight_updater.py`). Offsets count elements of the part's own dtype, which both receiver generations read right:
-older SGLang slices and reshapes, 0.5.23 slices, views as `dtype` (a no-op here) and reshapes. The flattening and
-its inverse are megarl's own (`flatten_by_dtype`, `unflatten`). A request holds one payload per tensor-parallel rank
-of the server (each rank's scheduler takes `serialized_named_tensors[tp_rank]`, srt/managers/tp_worker.py); each
-rank loads the whole tensor and keeps its own shard, so every payload describes the same bucket.
+**The flattened bucket** (`flatten_bucket`): all tensors of a bucket as bytes in one uint8 tensor, with records of
+name, shape, dtype and byte offsets, the layout of SGLang's `FlattenedTensorBucket` (sglang 0.5.23,
+`srt/weight_sync/tensor_bucket.py`, multi-dtype). One bucket is one request, so one `load_weights` call in SGLang:
+tensors SGLang fuses at load time (DeepSeek's q_a_proj + kv_a_proj_with_mqa) arrive together.
+
+**Colocated (`update_weights_from_tensor`, load_format "flattened_bucket").** A request holds one payload per
+tensor-parallel rank of the server (each rank's scheduler takes `serialized_named_tensors[tp_rank]`); each rank
+loads the whole tensor and keeps its own shard, so every payload describes the same bucket.
 
 The payload itself is a pickle stream that SGLang decodes with its own `MultiprocessingSerializer` (ForkingPickler
 with a class allow-list); CUDA tensors travel as CUDA IPC handles whose device is rewritten to the GPU's UUID by
@@ -21,8 +20,8 @@ Any callable `(FlatBucket) -> str` can stand in (the CPU tests pass a pickle sta
 that every GPU of every engine joins as `rank_offset + tp_rank`; it is created exactly as SGLang creates its side
 (`init_custom_process_group`, srt/utils/common.py): TCP rendezvous at the master address, a PrefixStore named after
 the group, `_new_process_group_helper`, ranks mapped one-to-one. Per bucket, every engine is asked to receive
-(names, dtypes, shapes) while the sender broadcasts each tensor from rank 0 in that order. `SGLangWeightSender` knows
-nothing of Ray: it takes buckets and engine endpoints (URL, number of GPUs).
+(names, dtypes, shapes, load_format "flattened_bucket") while the sender broadcasts the flat byte tensor from rank 0,
+once. `SGLangWeightSender` knows nothing of Ray: it takes buckets and engine endpoints (URL, number of GPUs).
 
 Call order around either transport (SGLangEngine does it for its own server): pause generation and open SGLang's
 weight-update session (begin_weight_update), send every bucket, close the session, set the weight version, flush the
@@ -52,7 +51,7 @@ __all__ = [
     "SGLangEndpoint",
     "SGLangWeightSender",
     "create_weight_update_group",
-    "flatten_by_dtype",
+    "flatten_bucket",
     "pickle_serializer",
     "send_flattened_bucket",
     "sglang_serializer",
@@ -63,7 +62,7 @@ __all__ = [
 # ---- flattening ------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FlatEntry:
-    """Where one tensor lies in a flattened part: elements [start, end) of `FlatBucket.flat`."""
+    """Where one tensor lies in a flattened bucket: bytes [start, end) of `FlatBucket.flat`."""
 
     name: str
     shape: tuple[int, ...]
@@ -72,51 +71,60 @@ class FlatEntry:
     end: int
 
     @property
-    def numel(self) -> int:
+    def nbytes(self) -> int:
         return self.end - self.start
 
 
 @dataclass
 class FlatBucket:
-    """Tensors of one dtype laid end to end in one contiguous 1-D tensor."""
+    """A bucket's tensors laid end to end, as bytes, in one contiguous uint8 tensor (SGLang's flattened bucket)."""
 
     flat: torch.Tensor
     entries: list[FlatEntry]
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.flat.dtype
-
-    @property
     def nbytes(self) -> int:
         return self.flat.nbytes
 
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
 
-def flatten_by_dtype(bucket: Bucket, device: torch.device | str | None = None) -> list[FlatBucket]:
-    """One FlatBucket per dtype, in order of first appearance; tensors keep their bucket order within a dtype.
+    @property
+    def dtypes(self) -> list[str]:
+        """dtype names as SGLang's requests carry them ("bfloat16")."""
+        return [str(e.dtype).removeprefix("torch.") for e in self.entries]
 
-    Any layout is accepted (non-contiguous and strided tensors are copied in logical order); values are copied
-    bit-exactly. `device` moves the flattened tensors there (None: the tensors' own device).
+    @property
+    def shapes(self) -> list[list[int]]:
+        return [list(e.shape) for e in self.entries]
+
+
+def flatten_bucket(bucket: Bucket, device: torch.device | str | None = None) -> FlatBucket | None:
+    """The bucket as SGLang's FlattenedTensorBucket lays it out (sglang 0.5.23, `srt/weight_sync/tensor_bucket.py`):
+    every tensor's bytes back to back in one uint8 tensor, byte offsets in the entries; None for an empty bucket.
+
+    Tensors go in order of decreasing element size (stable within a size), so every offset is a multiple of its
+    tensor's element size: SGLang's receiving side of a broadcast (`FlattenedTensorBucket.empty`) refuses a misaligned
+    one. Any layout is accepted (strided tensors are copied in logical order); values are copied bit-exactly.
+    `device` moves the flat tensor there (None: the tensors' own device).
     """
-    groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-    for name, tensor in bucket:
-        groups.setdefault(tensor.dtype, []).append((name, tensor))
-    parts = []
-    for dtype, named in groups.items():
-        entries, pieces, offset = [], [], 0
-        for name, tensor in named:
-            numel = tensor.numel()
-            entries.append(FlatEntry(name, tuple(tensor.shape), dtype, offset, offset + numel))
-            pieces.append(tensor.reshape(-1))
-            offset += numel
-        flat = torch.cat(pieces)  # where the tensors are, then one move: no second copy on the GPU
-        parts.append(FlatBucket(flat if device is None else flat.to(device), entries))
-    return parts
+    if not bucket:
+        return None
+    ordered = sorted(bucket, key=lambda item: -item[1].element_size())
+    entries, pieces, offset = [], [], 0
+    for name, tensor in ordered:
+        piece = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        entries.append(FlatEntry(name, tuple(tensor.shape), tensor.dtype, offset, offset + piece.numel()))
+        pieces.append(piece)
+        offset += piece.numel()
+    flat = torch.cat(pieces)  # where the tensors are, then one move: no second copy on the GPU
+    return FlatBucket(flat if device is None else flat.to(device), entries)
 
 
 def unflatten(part: FlatBucket) -> Bucket:
-    """The tensors of a flattened part, as views into `part.flat`."""
-    return [(e.name, part.flat[e.start : e.end].view(e.shape)) for e in part.entries]
+    """The tensors of a flattened bucket, as views into `part.flat`."""
+    return [(e.name, part.flat[e.start : e.end].view(e.dtype).view(e.shape)) for e in part.entries]
 
 
 # ---- serializers (the colocated transport's payload) -----------------------------------------------------------------
@@ -147,7 +155,7 @@ def sglang_serializer(part: FlatBucket) -> str:
     monkey_patch_torch_reductions()
     metadata = [
         FlattenedTensorMetadata(
-            name=e.name, shape=torch.Size(e.shape), dtype=e.dtype, start_idx=e.start, end_idx=e.end, numel=e.numel
+            name=e.name, shape=torch.Size(e.shape), dtype=e.dtype, start_idx=e.start, end_idx=e.end, numel=e.nbytes
         )
         for e in part.entries
     ]
@@ -159,7 +167,7 @@ def pickle_serializer(part: FlatBucket) -> str:
     records with SGLang's field names."""
     metadata = [
         types.SimpleNamespace(
-            name=e.name, shape=torch.Size(e.shape), dtype=e.dtype, start_idx=e.start, end_idx=e.end, numel=e.numel
+            name=e.name, shape=torch.Size(e.shape), dtype=e.dtype, start_idx=e.start, end_idx=e.end, numel=e.nbytes
         )
         for e in part.entries
     ]
@@ -176,7 +184,8 @@ def send_flattened_bucket(
     device: torch.device | str | None = None,
     rank_devices: Sequence[torch.device | str] | None = None,
 ) -> None:
-    """Load one bucket into the server at `client` through update_weights_from_tensor, one call per dtype.
+    """Load one bucket into the server at `client` through update_weights_from_tensor: one call, so one
+    load_weights call in SGLang, which keeps fused groups together (bridge/buckets.py).
 
     SGLang's request carries one payload per tensor-parallel rank; rank r loads `serialized_named_tensors[r]`
     (its scheduler's `update_weights_from_tensor`), so there are `num_ranks` (the server's tp) payloads, each
@@ -189,16 +198,18 @@ def send_flattened_bucket(
     if rank_devices is not None and len(rank_devices) != num_ranks:
         raise ValueError(f"rank_devices={list(rank_devices)} must name one device per rank ({num_ranks})")
     first_device = device if rank_devices is None else rank_devices[0]
-    for part in flatten_by_dtype(bucket, first_device):
-        if rank_devices is None:
-            copies = [part] * num_ranks
-        else:  # from the first GPU on: device-to-device copies, no second trip over the host link
-            copies = [FlatBucket(part.flat.to(rank_device), part.entries) for rank_device in rank_devices]
-        payloads = [serializer(copy) for copy in copies]
-        client.update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=False)
-        del payloads, copies, part
-        if torch.cuda.is_available():
-            torch.cuda.ipc_collect()  # release IPC blocks the server has let go of
+    part = flatten_bucket(bucket, first_device)
+    if part is None:
+        return
+    if rank_devices is None:
+        copies = [part] * num_ranks
+    else:  # from the first GPU on: device-to-device copies, no second trip over the host link
+        copies = [FlatBucket(part.flat.to(rank_device), part.entries) for rank_device in rank_devices]
+    payloads = [serializer(copy) for copy in copies]
+    client.update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=False)
+    del payloads, copies, part
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()  # release IPC blocks the server has let go of
 
 
 # ---- split placement: a process group shared with the servers --------------------------------------------------------
@@ -321,24 +332,23 @@ class SGLangWeightSender:
         """All servers receive one bucket: metadata over HTTP, tensors by broadcast from rank 0, in bucket order."""
         if self.group is None:
             raise RuntimeError("SGLangWeightSender.send_bucket before connect()")
-        if not bucket:
+        part = flatten_bucket(bucket, self.device)
+        if part is None:
             return
-        names = [name for name, _ in bucket]
-        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
-        shapes = [list(t.shape) for _, t in bucket]
         futures = [
             self._pool.submit(
                 client.update_weights_from_distributed,
-                names=names,
-                dtypes=dtypes,
-                shapes=shapes,
+                names=part.names,
+                dtypes=part.dtypes,
+                shapes=part.shapes,
                 group_name=self.group_name,
                 flush_cache=False,
+                load_format="flattened_bucket",
             )
             for client in self.clients
         ]
-        tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
-        works = [torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
+        # one broadcast per bucket: SGLang receives it into FlattenedTensorBucket.empty(names, dtypes, shapes)
+        works = [torch.distributed.broadcast(part.flat, src=0, group=self.group, async_op=True)]
         self._wait(works, futures)
         self._results(futures, "update_weights_from_distributed")
 

@@ -17,7 +17,7 @@ from megarl.errors import UserError
 def load_model_config(config: JobConfig):
     """The HF config of the run's model: from model.path (a HF folder or megarl checkpoint), or model.init.config
     when the model is still to be built."""
-    from megarl.checkpoint.model_io import hf_config_dir
+    from megarl.checkpoint.model_dir import hf_config_dir
     from megarl.models.hf_config import load_hf_config
 
     path = Path(config.model.path)

@@ -74,7 +74,7 @@ def _read_data(config: JobConfig):
     from transformers import AutoTokenizer
 
     from megarl.bridge.safetensors_io import HFCheckpoint
-    from megarl.checkpoint.model_io import hf_config_dir, is_megarl_checkpoint
+    from megarl.checkpoint.model_dir import hf_config_dir, is_megarl_checkpoint
     from megarl.trainer.stage_data import build_stage_data
 
     if not is_megarl_checkpoint(config.model.path):

@@ -133,7 +133,7 @@ def build_role_model(
 
 
 def is_moe(path: str) -> bool:
-    from megarl.checkpoint.model_io import hf_config_dir
+    from megarl.checkpoint.model_dir import hf_config_dir
     from megarl.models.hf_config import read_config_json
     from megarl.models.registry import get_architecture
 

@@ -70,7 +70,7 @@ class RolloutWorker(Worker):
         engine uses what this worker sees)."""
         from transformers.utils import logging as hf_logging
 
-        from megarl.checkpoint.model_io import hf_config_dir
+        from megarl.checkpoint.model_dir import hf_config_dir
 
         hf_logging.disable_progress_bar()  # one bar per engine in the driver's log says nothing
         start = time.perf_counter()

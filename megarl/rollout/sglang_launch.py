@@ -1,0 +1,97 @@
+"""The SGLang servers a job launches: one command line per engine and per node of it, known before anything starts.
+
+`megarl plan` and `megarl train --dry-run` print these lines; the rollout workers launch the same ones (ports and
+GPUs as planned here, the host address and the model folder resolved on the node). Engines started by the trainer
+always load dummy weights: the trainer pushes the real ones with its first sync, before any generation (a megarl
+checkpoint's hf/ folder has no weights to load, and reading a 671B checkpoint twice would cost minutes).
+
+Ports: engine k of a node listens on `rollout.sglang.port + k`; an engine across nodes meets at its node 0 on
+`port + PORT_SPAN + k` (SGLang's --dist-init-addr).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from megarl.rollout.config import RolloutConfig
+from megarl.rollout.sglang_server import NodePlace, build_server_command
+
+LISTEN_HOST = "0.0.0.0"
+"""Servers listen on every interface of their node: trainers on other nodes reach them at the node's address."""
+PORT_SPAN = 100
+"""Ports from rollout.sglang.port to port + PORT_SPAN - 1 serve HTTP, the next PORT_SPAN the multi-node rendezvous."""
+NODE0_ADDRESS = "$ENGINE_NODE0_ADDRESS"
+"""Stands for the address of an engine's first node in printed plans (known once the nodes are allocated)."""
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    engine: int
+    node: int
+    """The cluster node (0-based) the process runs on."""
+    node_rank: int
+    """Its rank among the engine's nodes (0: the server the trainer talks to)."""
+    gpus: tuple[int, ...]
+    """The node's GPUs it uses (its CUDA_VISIBLE_DEVICES)."""
+    port: int
+    command: list[str]
+
+    def render(self) -> str:
+        return shlex.join(self.command)
+
+
+def rollout_model_dir(model_path: str | Path) -> str:
+    """The folder the engines read config and tokenizer from: a megarl checkpoint's hf/, else the HF folder itself
+    (decided without the folder existing here: a checkpoint is recognised by its files when they are present)."""
+    from megarl.checkpoint.model_dir import hf_config_dir
+
+    return str(hf_config_dir(model_path))
+
+
+def engine_launches(
+    rollout: RolloutConfig,
+    model_path: str | Path,
+    *,
+    num_engines: int,
+    first_gpu: int,
+    gpus_per_node: int,
+    node0_address: str = NODE0_ADDRESS,
+) -> list[EngineLaunch]:
+    """Every server process of every engine, in engine order then node rank. Engines tile the rollout GPUs from
+    cluster GPU `first_gpu` on (placement.rollout_first_gpu)."""
+    sglang = rollout.sglang
+    gpe = rollout.gpus_per_engine
+    nodes_per_engine = max(1, gpe // gpus_per_node)
+    gpus_on_node = min(gpe, gpus_per_node)
+    launches = []
+    for engine in range(num_engines):
+        first = first_gpu + engine * gpe
+        local_index = (first % gpus_per_node) // gpe if nodes_per_engine == 1 else 0
+        port = sglang.port + local_index
+        for node_rank in range(nodes_per_engine):
+            node = first // gpus_per_node + node_rank
+            place = NodePlace(
+                nodes_per_engine,
+                node_rank,
+                f"{node0_address}:{sglang.port + PORT_SPAN + local_index}" if nodes_per_engine > 1 else None,
+            )
+            local_first = first % gpus_per_node
+            command = build_server_command(
+                sglang, rollout_model_dir(model_path), host=LISTEN_HOST, port=port, load_format="dummy", node=place
+            )
+            gpus = tuple(range(local_first, local_first + gpus_on_node))
+            launches.append(EngineLaunch(engine, node, node_rank, gpus, port, command))
+    return launches
+
+
+def render_launches(launches: list[EngineLaunch]) -> list[str]:
+    """The report lines: a header per process (engine, node, GPUs), then its command."""
+    lines = []
+    for launch in launches:
+        gpus = ",".join(map(str, launch.gpus))
+        where = f"engine {launch.engine}" + (f" node-rank {launch.node_rank}" if launch.node_rank else "")
+        lines.append(f"  {where} on node {launch.node}, CUDA_VISIBLE_DEVICES={gpus}:")
+        lines.append(f"    {launch.render()}")
+    return lines
