@@ -167,15 +167,34 @@ def bucket_label(bucket: Bucket) -> str:
     return first if len(bucket) == 1 else f"{first} (+{len(bucket) - 1} more)"
 
 
+CONTEXT_LENGTH_KEYS = (
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+    "model_max_length",
+    "max_position_embeddings",
+)
+"""config.json keys SGLang reads a context window from, in its order (sglang 0.5.23, get_context_length)."""
+
+
 def context_length_of(model_path: str | os.PathLike) -> int | None:
-    """The context window SGLang gives a checkpoint without --context-length: its config.json
-    max_position_embeddings (None when it has none: requests are then sent as they are)."""
+    """The context window SGLang gives a checkpoint without --context-length, by SGLang's rule: the first of
+    CONTEXT_LENGTH_KEYS in config.json, times the RoPE scaling factor unless the scaling names its original length
+    (YaRN) or is llama3's; 2048 without any (the contract tests compare with SGLang's own function). None when
+    config.json cannot be read: requests are then sent as they are."""
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    value = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
-    return int(value) if value else None
+    config = config.get("text_config", config)
+    scaling = config.get("rope_scaling") or {}
+    factor = scaling.get("factor", 1)
+    if "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3":
+        factor = 1
+    for key in CONTEXT_LENGTH_KEYS:
+        if config.get(key) is not None:
+            return int(factor * config[key])
+    return 2048
 
 
 def check_request(i: int, request: GenerateRequest) -> None:

@@ -1,0 +1,104 @@
+"""Load a HF checkpoint's tensors into SGLang's own model class on CPU, one weight-sync bucket per `load_weights`
+call, and report what SGLang did not take. Run as a script (its own process: SGLang sets process-wide state):
+
+    python tests/sglang_load_check.py MODEL_DIR [--one-by-one]
+
+Prints one JSON line: {"params": N, "no_effect": [names whose load changed no parameter],
+"unwritten": [SGLang parameters no tensor wrote]}. Buckets are formed as megarl's weight sync forms them at a 1-byte
+budget (every tensor alone, except the groups an engine fuses at load time: Architecture.load_groups);
+--one-by-one loads every tensor alone instead (what SGLang sees when the groups are ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import sglang_contract
+
+OFFICIAL_DEEPSEEK_V3_KEYS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "ep_size": 1}
+"""Keys of DeepSeek-V3's published config.json that SGLang reads and transformers' DeepseekV3Config does not
+define: the tiny checkpoints (saved from that class) lack them."""
+
+
+def build_sglang_model(model_dir: str):
+    import torch
+    from transformers import AutoConfig
+
+    sglang_contract.install_stand_ins()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    config = AutoConfig.from_pretrained(model_dir)
+    # one process as SGLang's own layer tests set it up (world of 1, tp = pp = ep = 1). The model is built on CPU
+    # tensors; SGLang's device setting only picks code paths: "cuda" (kernels referenced, never run) except where
+    # SGLang's GPU rotary embedding checks for a GPU (yarn RoPE), whose CPU path in turn requires a rope scaling
+    rope_scaling = getattr(config, "rope_scaling", None) or {}
+    device = "cpu" if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default" else "cuda"
+    server_args = ServerArgs(model_path=model_dir, device=device, dtype="float32")
+    parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    reset_context()
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=0))
+    get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    parallel_state.initialize_model_parallel(backend="gloo")
+    set_global_server_args_for_scheduler(server_args)
+
+    if config.model_type == "deepseek_v3":
+        for key, value in OFFICIAL_DEEPSEEK_V3_KEYS.items():
+            if not hasattr(config, key):
+                setattr(config, key, value)
+    model_cls, _ = ModelRegistry.resolve_model_cls(config.architectures)
+    torch.set_default_dtype(torch.float32)
+    return model_cls(config)
+
+
+def buckets_of(model_dir: str, tensors: dict, one_by_one: bool) -> list[list[tuple[str, object]]]:
+    from megarl.bridge.buckets import BucketBuilder, travel_groups
+    from megarl.models.hf_config import read_config_json
+    from megarl.models.registry import get_architecture
+
+    arch = get_architecture(read_config_json(model_dir).get("model_type"))
+    builder = BucketBuilder(1, None if one_by_one else travel_groups(tensors, arch.load_groups))
+    buckets = [b for name, tensor in tensors.items() if (b := builder.add(name, tensor))]
+    return [*buckets, builder.flush()]
+
+
+def main() -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    model_dir, one_by_one = sys.argv[1], "--one-by-one" in sys.argv
+    model = build_sglang_model(model_dir)
+    params = dict(model.named_parameters())
+    tensors = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(file))
+    marker = float("nan")
+    with torch.no_grad():
+        for param in params.values():
+            param.fill_(marker)
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        return {name: torch.nan_to_num(p.detach(), nan=12345.0).clone() for name, p in params.items()}
+
+    no_effect = []
+    for bucket in buckets_of(model_dir, tensors, one_by_one):
+        before = snapshot()
+        model.load_weights(iter(bucket))
+        after = snapshot()
+        if all(torch.equal(before[n], after[n]) for n in params):
+            no_effect += [name for name, _ in bucket]
+    unwritten = [name for name, p in params.items() if torch.isnan(p).any()]
+    print(json.dumps({"params": len(params), "no_effect": sorted(no_effect), "unwritten": sorted(unwritten)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""megarl against the real SGLang package (sglang==0.5.23, its CPU-importable parts; see tests/sglang_contract.py):
+launch commands through SGLang's own argument parser, request bodies through its request types, buckets through its
+flattened-bucket code, and exported tensor names through its model classes' own `load_weights`.
+
+Skipped only where the pinned SGLang is not installed; the README's test command (and so CI) installs it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sglang_contract
+import torch
+
+from megarl.rollout.config import SamplingParams, SGLangEngineConfig
+from megarl.rollout.engine import GenerateRequest
+from megarl.rollout.sglang_engine import build_generate_payload, context_length_of
+from megarl.rollout.sglang_server import NodePlace, build_server_args
+from megarl.rollout.sglang_weights import flatten_bucket, unflatten
+
+TESTS = Path(__file__).parent
+
+
+def parse_server_args(args: list[str]):
+    """SGLang's own parsing of a launch command's arguments (what `python -m sglang.launch_server` does first);
+    returns (ServerArgs, what SGLang printed: deprecation notices and the like)."""
+    server_args = sglang_contract.sglang_module("sglang.srt.server_args")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        parsed = server_args.prepare_server_args(args)
+    return parsed, printed.getvalue()
+
+
+# ---- launch commands -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        SGLangEngineConfig(),
+        SGLangEngineConfig(
+            tp=8,
+            dp=4,
+            ep=8,
+            enable_dp_attention=True,
+            mem_fraction_static=0.55,
+            dtype="bfloat16",
+            trust_remote_code=True,
+            random_seed=7,
+            deterministic=True,
+            enable_memory_saver=True,
+            context_length=4096,
+            extra_args={"chunked_prefill_size": "8192", "disable_radix_cache": ""},
+        ),
+    ],
+    ids=["defaults", "everything"],
+)
+@pytest.mark.parametrize("nodes", [1, 2], ids=["one-node", "two-nodes"])
+def test_sglang_parses_every_flag_megarl_sets(config, nodes):
+    place = NodePlace(nodes, nodes - 1, "10.0.0.1:30100" if nodes > 1 else None)
+    args = build_server_args(config, "/ckpt/hf", host="0.0.0.0", port=30001, load_format="dummy", node=place)
+    parsed, printed = parse_server_args(args)
+    assert "deprecated" not in printed.lower(), printed
+    assert (parsed.model_path, parsed.host, parsed.port, parsed.load_format) == ("/ckpt/hf", "0.0.0.0", 30001, "dummy")
+    assert (parsed.tp_size, parsed.nnodes, parsed.node_rank) == (config.tp, nodes, nodes - 1)
+    assert parsed.dist_init_addr == place.dist_init_addr
+    assert parsed.enable_memory_saver == config.enable_memory_saver
+    assert parsed.context_length == config.context_length
+    if config.enable_dp_attention:
+        assert (parsed.ep_size, parsed.mem_fraction_static, parsed.dtype) == (8, 0.55, "bfloat16")
+        assert parsed.chunked_prefill_size == 8192 and parsed.disable_radix_cache
+
+
+# ---- request bodies ------------------------------------------------------------------------------------------------
+
+
+def test_generate_bodies_pass_sglangs_request_types():
+    requests = [GenerateRequest([1, 2, 3], seed=5, request_id="a"), GenerateRequest([4] * 9, prefix_ids=[7],
+                prefix_logprobs=[-0.5], prefix_versions=[0])]  # fmt: skip
+    sampling = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=4, stop=["\n\n"],
+                              stop_token_ids=[2])  # fmt: skip
+    body, _ = build_generate_payload(requests, sampling, draw_seed=lambda: 3, context_len=12)
+    request = sglang_contract.validate_request("/generate", body)
+    assert request.batch_size == 4 and request.rid == ["a/0", "a/1", body["rid"][2], body["rid"][3]]
+    assert request.return_logprob == [True] * 4
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/pause_generation", {"mode": "abort", "flush": True}, "has no field"),
+        ("/pause_generation", {"mode": "sideways"}, "Invalid enum value"),
+        (
+            "/init_weights_update_group",
+            {"master_address": "a", "master_port": "x", "rank_offset": 1, "world_size": 2},
+            "Expected `int`, got `str`",
+        ),
+        ("/generate", {"input_ids": [[1]], "sampling_params": [{"max_tokens": 3}], "rid": ["x"]}, "max_tokens"),
+    ],
+)
+def test_sglangs_request_types_refuse_bodies_sglang_would_refuse(path, body, message):
+    # the fake SGLang server of the engine tests validates through these same types: not a rubber stamp
+    with pytest.raises(Exception, match=message):
+        sglang_contract.validate_request(path, body)
+
+
+# ---- flattened buckets ---------------------------------------------------------------------------------------------
+
+
+def mixed_bucket():
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("a.bf16", torch.randn(5, 3, generator=g).to(torch.bfloat16)),  # odd byte count before wider tensors
+        ("b.f32", torch.randn(4, 6, generator=g).t()),  # not contiguous
+        ("c.u8", torch.tensor([1, 2, 3], dtype=torch.uint8)),
+        ("d.i64", torch.tensor([7, -(2**40)])),
+        ("e.f16", torch.randn(3, generator=g).to(torch.float16)),
+        ("f.scalar", torch.tensor(2.5)),
+    ]
+
+
+def test_sglang_rebuilds_megarls_flattened_buckets_bit_exactly():
+    tensor_bucket = sglang_contract.sglang_module("sglang.srt.weight_sync.tensor_bucket")
+    bucket = mixed_bucket()
+    part = flatten_bucket(bucket)
+    # colocated: what update_weights_from_tensor decodes (FlattenedTensorMetadata built as sglang_serializer does)
+    metadata = [
+        tensor_bucket.FlattenedTensorMetadata(e.name, torch.Size(e.shape), e.dtype, e.start, e.end, e.nbytes)
+        for e in part.entries
+    ]
+    rebuilt = dict(
+        tensor_bucket.FlattenedTensorBucket(flattened_tensor=part.flat, metadata=metadata).reconstruct_tensors()
+    )
+    # split: what a broadcast receiver allocates from the request's names, dtypes and shapes, then fills
+    receiver = tensor_bucket.FlattenedTensorBucket.empty(part.names, part.dtypes, part.shapes, "cpu")
+    receiver.get_flattened_tensor().copy_(part.flat)
+    received = dict(receiver.reconstruct_tensors())
+    for name, tensor in bucket:
+        for got in (rebuilt[name], received[name]):
+            assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+            assert torch.equal(got.reshape(-1).view(torch.uint8), tensor.contiguous().reshape(-1).view(torch.uint8))
+    # and SGLang's own flattening of the same tensors in the same order gives the same bytes
+    ours = dict(unflatten(part))
+    theirs = tensor_bucket.FlattenedTensorBucket(named_tensors=[(n, ours[n]) for n in part.names])
+    assert torch.equal(theirs.get_flattened_tensor(), part.flat)
+
+
+def test_update_weights_from_tensor_body_carries_bytes_per_rank():
+    body = {"serialized_named_tensors": [base64.b64encode(b"rank0").decode(), base64.b64encode(b"rank1").decode()],
+            "load_format": "flattened_bucket", "flush_cache": False}  # fmt: skip
+    request = sglang_contract.validate_request("/update_weights_from_tensor", body)
+    assert request.serialized_named_tensors == [b"rank0", b"rank1"]
+
+
+# ---- tensor names: SGLang's model classes load every tensor megarl exports ------------------------------------------
+
+ARCHITECTURES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe-all-sparse",
+                 "tiny-deepseek-v3", "tiny-deepseek-v3-lite"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sglang_checkpoint(hf_checkpoint, tmp_path_factory):
+    def make(name: str) -> Path:
+        if name == "tiny-qwen3-moe-all-sparse":  # SGLang builds every Qwen3-MoE layer sparse (see test below)
+            from megarl.testing.tiny_checkpoint import make_hf_checkpoint, tiny_config
+
+            config = tiny_config("tiny-qwen3-moe") | {"mlp_only_layers": []}
+            return make_hf_checkpoint(config, tmp_path_factory.mktemp("qwen3-moe") / name)
+        return hf_checkpoint(name)
+
+    return make
+
+
+def sglang_load_check(folder: Path, *extra: str) -> dict:
+    if not sglang_contract.installed():
+        pytest.skip(sglang_contract.INSTALL_HINT)
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "sglang_load_check.py"), str(folder), *extra],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_sglang_model_class_loads_every_exported_tensor(sglang_checkpoint, name):
+    # the export stream's names are exactly the HF checkpoint's (tests/test_bridge_parity.py); loaded in the buckets
+    # megarl's weight sync forms (every tensor alone, fused groups together), every one must change a parameter of
+    # SGLang's model and every parameter must be written
+    result = sglang_load_check(sglang_checkpoint(name))
+    assert result["params"] > 20
+    assert result["no_effect"] == [] and result["unwritten"] == []
+
+
+def test_deepseek_fused_projections_load_only_together(sglang_checkpoint):
+    # the defect the travel groups fix, reproduced with SGLang's own DeepseekV2 loader: alone, neither lands
+    result = sglang_load_check(sglang_checkpoint("tiny-deepseek-v3"), "--one-by-one")
+    assert result["unwritten"] == [f"model.layers.{i}.self_attn.fused_qkv_a_proj_with_mqa.weight" for i in range(4)]
+    assert len(result["no_effect"]) == 8 and all("_a_proj" in n for n in result["no_effect"])
+
+
+def test_sglang_cannot_serve_qwen3_moe_dense_layers(sglang_checkpoint):
+    # SGLang 0.5.23 ignores mlp_only_layers: such checkpoints are refused for rollout.backend=sglang at pre-flight
+    result = sglang_load_check(sglang_checkpoint("tiny-qwen3-moe"))
+    assert result["unwritten"] == [f"model.layers.1.mlp.{p}" for p in ("experts.w13_weight", "experts.w2_weight",
+                                                                       "gate.weight")]  # fmt: skip
+
+
+# ---- context window ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-deepseek-v3", "tiny-mixtral"])
+def test_context_window_is_sglangs(hf_checkpoint, name):
+    from transformers import AutoConfig
+
+    common = sglang_contract.sglang_module("sglang.srt.utils.hf_transformers.common")
+    folder = hf_checkpoint(name)
+    assert context_length_of(folder) == common.get_context_length(AutoConfig.from_pretrained(folder))
