@@ -101,15 +101,22 @@ def _add_train(commands) -> None:
         "rl.num_steps=10 actor.model.parallel.tp=2. A run folder with checkpoints resumes from the latest one.",
     )
     _add_job_arguments(train)
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run every pre-flight check (files included), print the resolved config, the placement and the SGLang "
+        "launch commands, and exit without starting anything (0: the job would start)",
+    )
     train.set_defaults(run=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> int:
     from megarl.config import load_config
     from megarl.config.job import JobConfig
-    from megarl.trainer.run import train
+    from megarl.trainer.run import dry_run, train
 
-    return train(load_config(JobConfig, args.config, args.overrides))
+    config = load_config(JobConfig, args.config, args.overrides)
+    return dry_run(config) if args.dry_run else train(config)
 
 
 def _add_plan(commands) -> None:

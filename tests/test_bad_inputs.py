@@ -30,6 +30,8 @@ class Case:
     code: int = 2
     prepare: str = ""
     """A named preparation step (see `prepare`)."""
+    model: str = "tiny-qwen3"
+    """The tiny checkpoint the base config trains."""
 
 
 BASE = """
@@ -159,6 +161,45 @@ CASES = [
         ["--tp=3", "num_attention_heads=4"],
     ),
     Case("plot without metrics", ["plot", "{dir}"], ["has no metrics.jsonl", "not a megarl run folder"]),
+    # -- rollout with SGLang -------------------------------------------------------------------------------------
+    Case(
+        "nccl weight sync into the hf engine",
+        TRAIN,
+        ["rollout.weight_sync=nccl broadcasts into SGLang servers", "use object_store"],
+        config="rollout: {weight_sync: nccl}\n",
+    ),
+    Case(
+        "ipc weight sync with split placement",
+        TRAIN,
+        ["rollout.weight_sync=ipc needs the engines on the actor's GPUs", "placement.mode=split"],
+        config="rollout: {weight_sync: ipc}\nplacement: {mode: split, rollout_gpus: 1}\n",
+    ),
+    Case(
+        "nccl weight sync from a pipeline",
+        TRAIN,
+        ["rollout.weight_sync=nccl takes one sending rank", "pp=2"],
+        config="rollout: {backend: sglang, weight_sync: nccl}\nplacement: {mode: split, rollout_gpus: 1}\n"
+        "actor: {model: {parallel: {tp: 1, pp: 2}}}\n",
+    ),
+    Case(
+        "in-place pause",
+        TRAIN,
+        ["rollout.sglang.pause_mode", "in_place"],
+        config="rollout: {backend: sglang, sglang: {pause_mode: in_place}}\n",
+    ),
+    Case(
+        "qwen3-moe dense layers on sglang",
+        TRAIN,
+        ["mlp_only_layers=[1] cannot be served by SGLang", "builds every Qwen3-MoE layer as a MoE layer"],
+        config="rollout: {backend: sglang}\nactor: {model: {parallel: {tp: 1}}}\n",
+        model="tiny-qwen3-moe",
+    ),
+    Case(
+        "dry run of a bad config",
+        [*TRAIN, "--dry-run"],
+        ["rollout.weight_sync=nccl broadcasts into SGLang servers"],
+        config="rollout: {weight_sync: nccl}\n",
+    ),
 ]
 
 
@@ -195,7 +236,7 @@ def prepare(case: Case, folder: Path, model: Path) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_bad_input_is_refused_clearly(case: Case, tmp_path, hf_checkpoint, capsys):
-    model = hf_checkpoint("tiny-qwen3")
+    model = hf_checkpoint(case.model)
     (tmp_path / "prompts.jsonl").write_text(
         "".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(8))
     )

@@ -194,3 +194,42 @@ def test_debug_flag_shows_the_traceback(tmp_path):
         "--debug", "convert", "--from", "hf", "--to", "mcore", str(tmp_path / "nope"), str(tmp_path / "d"), check=False
     )
     assert out.returncode != 0 and "Traceback" in out.stderr and "UserError" in out.stderr
+
+
+def dry_run_job(tmp_path: Path, model: Path, *extra: str) -> Path:
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i)}) + "\n"
+                                                    for i in range(8)))  # fmt: skip
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"run: {{name: dry, dir: {tmp_path}/run, stages: [grpo]}}\nmodel: {{path: {model}}}\n"
+        "placement: {train_gpus: 2}\nactor: {model: {parallel: {tp: 2}}}\nreward: {fn: gsm8k, num_workers: 0}\n"
+        f"data: {{train_files: [{tmp_path}/prompts.jsonl]}}\nrl: {{num_steps: 2, prompts_per_step: 4}}\n"
+        + "".join(f"{line}\n" for line in extra)
+    )
+    return job
+
+
+def test_train_dry_run_checks_everything_prints_the_launches_and_starts_nothing(hf_checkpoint, tmp_path, capsys):
+    job = dry_run_job(tmp_path, hf_checkpoint("tiny-qwen3"), "rollout: {backend: sglang}")
+    before = sorted(tmp_path.rglob("*"))
+
+    assert main(["train", "--config", str(job), "--dry-run"]) == 0
+
+    out = capsys.readouterr().out
+    assert "resolved config" in out and "  rollout:\n    backend: sglang" in out
+    assert "placement\n  node 0 " in out and "actor (2 GPUs" in out
+    assert out.count(" -m sglang.launch_server --model-path ") == 2  # two colocated engines of one GPU
+    assert "--port 30000 --load-format dummy" in out and "--port 30001 --load-format dummy" in out
+    assert "dry run: every data row checked; the run would start fresh" in out
+    assert sorted(tmp_path.rglob("*")) == before  # no run folder, nothing written
+
+
+def test_train_dry_run_fails_on_what_train_would_fail_on(hf_checkpoint, tmp_path, capsys):
+    job = dry_run_job(tmp_path, hf_checkpoint("tiny-qwen3"), "rollout: {backend: sglang}")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "a", "label": "1"}\n{"question": "b"}\n')
+    assert main(["train", "--config", str(job), "--dry-run"]) == 2
+    assert "prompts.jsonl" in capsys.readouterr().err
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "a", "label": "1"}\n' * 8)
+    assert main(["train", "--config", str(job), "--dry-run", "plan.gpu_memory_gb=0.5"]) == 1  # does not fit
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and " -m sglang.launch_server " in out

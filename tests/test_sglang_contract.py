@@ -223,3 +223,30 @@ def test_context_window_is_sglangs(hf_checkpoint, name):
     common = sglang_contract.sglang_module("sglang.srt.utils.hf_transformers.common")
     folder = hf_checkpoint(name)
     assert context_length_of(folder) == common.get_context_length(AutoConfig.from_pretrained(folder))
+
+
+# ---- what `megarl plan` says will be launched ------------------------------------------------------------------------
+
+CONFIGS = sorted((TESTS.parent / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("mode", ["as-shipped", "split"])
+def test_sglang_parses_every_launch_command_megarl_plan_prints(path, mode):
+    from megarl.plan import run_plan
+    from megarl.plan.planner import load_for_planning
+
+    overrides = ["rollout.backend=sglang"]  # the CPU quickstart too: what it would launch on a GPU node
+    if mode == "split":
+        overrides += ["placement.mode=split", "placement.rollout_gpus=${rollout.gpus_per_engine}"]
+    config, _ = load_for_planning(path, overrides)
+    report = run_plan(config, str(path))
+    assert len(report.launches) == report.placement.num_engines * report.placement.engine_nodes > 0
+    rendered = report.render()
+    for launch in report.launches:
+        assert launch.render() in rendered
+        assert launch.command[1:3] == ["-m", "sglang.launch_server"]
+        parsed, printed = parse_server_args(launch.command[3:])
+        assert "deprecated" not in printed.lower(), printed
+        assert parsed.load_format == "dummy" and parsed.tp_size == config.rollout.sglang.tp
+        assert parsed.nnodes == report.placement.engine_nodes and parsed.port == launch.port

@@ -196,6 +196,13 @@ class JobConfig:
                 "rl.mode=async (asynchronous RL) needs placement.mode=split: rollout and training run at the same "
                 "time on different GPUs"
             )
+        if self.rl_stages:
+            from megarl.rollout.transports import resolve_weight_sync
+
+            parallel = self.actor.model.parallel
+            resolve_weight_sync(
+                self.rollout.weight_sync, self.rollout.backend, self.placement.mode, parallel.pp, parallel.ep
+            )
         if self.placement.mode == "split" and self.placement.rollout_gpus % self.rollout.gpus_per_engine:
             raise UserError(
                 f"placement.rollout_gpus={self.placement.rollout_gpus} is not a multiple of "

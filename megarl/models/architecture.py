@@ -77,6 +77,9 @@ class Architecture:
     Megatron training does not use them yet: conversion carries them through unchanged."""
     unsupported: dict[str, Any] = field(default_factory=dict)
     """config.json keys whose truthy values this family's Megatron model cannot reproduce, with the reason."""
+    sglang_unsupported: dict[str, Any] = field(default_factory=dict)
+    """config.json keys whose truthy values SGLang (the pinned release) cannot serve, with the reason: refused at
+    pre-flight for rollout.backend=sglang (found by tests/test_sglang_contract.py)."""
     load_groups: tuple[tuple[str, ...], ...] = ()
     """Tensors an inference engine fuses at load time, only when they arrive in the same load call: name suffixes
     under one common prefix. Weight sync keeps each group in one bucket (bridge/buckets.py)."""
@@ -93,6 +96,14 @@ class Architecture:
             return False
         match = re.match(r"model\.layers\.(\d+)\.", hf_name)
         return bool(match) and int(match.group(1)) >= hf_config.num_hidden_layers
+
+    def check_sglang_supported(self, hf_config, key: str = "model.path") -> None:
+        for name, reason in self.sglang_unsupported.items():
+            if getattr(hf_config, name, None):
+                raise UserError(
+                    f"{key}: config.json {name}={getattr(hf_config, name)!r} cannot be served by SGLang "
+                    f"(rollout.backend=sglang): {reason}; use rollout.backend=hf"
+                )
 
     def features(self, hf_config) -> Features:
         attention_bias = bool(getattr(hf_config, "attention_bias", False))

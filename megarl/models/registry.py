@@ -32,6 +32,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             qk_norm=True,
             moe=MoE(num_experts_key="num_experts", sparse_layers=qwen_sparse_layers),
             unsupported={"use_sliding_window": _SLIDING},
+            sglang_unsupported={"mlp_only_layers": "SGLang 0.5.23 builds every Qwen3-MoE layer as a MoE layer"},
         ),
         Architecture(
             "deepseek_v3",

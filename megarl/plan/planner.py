@@ -32,6 +32,8 @@ from megarl.plan.placement import Placement, layout_notes, place
 from megarl.plan.report import PlanReport, RoleReport, gb
 from megarl.plan.rollout import SGLANG_RUNTIME_GB, EngineMemory, engine_memory
 from megarl.plan.sync import estimate_sync
+from megarl.rollout.sglang_launch import engine_launches
+from megarl.rollout.transports import resolve_weight_sync
 from megarl.workers.config import OptimizerSettings
 
 PROCESS_GB = 1.0
@@ -89,6 +91,22 @@ def run_plan(config: JobConfig, config_path: str = "") -> PlanReport:
             config.plan.inter_node_gbps,
             config.rollout.bucket_bytes,
             config.rollout.sglang.tp,
+            resolve_weight_sync(
+                config.rollout.weight_sync,
+                config.rollout.backend,
+                config.placement.mode,
+                memories["actor"].layout.pp,
+                memories["actor"].layout.ep,
+            ),
+        )
+    launches = []
+    if engine is not None:
+        launches = engine_launches(
+            config.rollout,
+            config.model.path,
+            num_engines=placement.num_engines,
+            first_gpu=placement.rollout_first_gpu,
+            gpus_per_node=placement.gpus_per_node,
         )
     host = sum(m.host_bytes_when_offloaded() for m in memories.values())
     return PlanReport(
@@ -100,6 +118,7 @@ def run_plan(config: JobConfig, config_path: str = "") -> PlanReport:
         sync=sync,
         sync_bandwidths=(config.plan.intra_node_gbps, config.plan.inter_node_gbps),
         host_bytes_per_node=host * min(config.placement.train_gpus, placement.gpus_per_node),
+        launches=launches,
         notes=notes + [note for shape, _, _ in shapes.values() for note in shape.notes],
     )
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from megarl.plan.memory import GB
 from megarl.plan.placement import Placement
 from megarl.plan.sync import SyncEstimate
+from megarl.rollout.sglang_launch import EngineLaunch, render_launches
 
 _WIDTH = 64  # label column
 
@@ -65,6 +66,8 @@ class PlanReport:
     sync: SyncEstimate | None = None
     sync_bandwidths: tuple[float, float] = (0.0, 0.0)
     host_bytes_per_node: float = 0.0
+    launches: list[EngineLaunch] = field(default_factory=list)
+    """The SGLang server processes the job starts (megarl/rollout/sglang_launch.py)."""
     notes: list[str] = field(default_factory=list)
 
     def role(self, name: str) -> RoleReport:
@@ -96,6 +99,10 @@ class PlanReport:
         if self.sync is not None:
             out.append("")
             out += _render_sync(self.sync, *self.sync_bandwidths)
+        if self.launches:
+            out.append("")
+            out.append("SGLang servers (one per engine and node; the trainer pushes the weights at its first sync)")
+            out += render_launches(self.launches)
         if self.host_bytes_per_node >= 0.1 * GB:
             out.append("")
             out.append(

@@ -7,12 +7,14 @@ busiest sender's share is max over stages of dense_stage + experts_stage / ep.
 
 Time, as sums and maxima of bytes / bandwidth (PlanConfig: intra-node per GPU, inter-node per GPU):
 - gather: the TP (and expert-TP) all-gather before sending, (tp - 1) / tp of the stage's dense bytes;
-- colocated (CUDA IPC to the engine on the same GPUs): an engine needs all B bytes; the part held on its own nodes
+- ipc (colocated: CUDA IPC to the engine on the same GPUs): an engine needs all B bytes; the part held on its own nodes
   (its share of the training nodes, weights assumed spread evenly) moves inside the node, the rest enters through
   the engine GPUs' network links; each engine GPU then reads its 1/tp slice over NVLink;
-- split (NCCL broadcast to every engine GPU): all B bytes enter each rollout node through its GPUs' links (NVLink
-  when training and rollout share one node), and every engine GPU receives whole tensors (B) from the node's fan-out;
-- in both, the busiest sender pushes its share once (a pipelined broadcast);
+- nccl (split: one broadcast per bucket to every engine GPU): all B bytes enter each rollout node through its GPUs'
+  links (NVLink when training and rollout share one node), and every engine GPU receives whole tensors (B) from the
+  node's fan-out;
+- object store (host copies): every byte crosses host memory at about HOST_GBPS on the sender and on each engine;
+- in all, the busiest sender pushes its share once (a pipelined broadcast);
 - per bucket, a fixed cost (BUCKET_OVERHEAD_S): an engine applies updates one call at a time (the request,
   rebuilding tensors, the model's load_weights), so B / bucket_bytes calls add up.
 Bandwidths are ideal (every GPU's link busy, no contention) and the pause / cache flush around the update is not
@@ -27,6 +29,8 @@ from megarl.plan.memory import RoleLayout
 from megarl.plan.model_size import ModelShape, hf_numel, stage_layers
 from megarl.plan.placement import Placement
 
+HOST_GBPS = 10.0
+"""Object-store road: device -> host -> shared memory -> host -> device, about a PCIe link's worth per sender."""
 BUCKET_OVERHEAD_S = 0.01
 """Fixed cost of one bucket on the engine side (a guess: HTTP / IPC round trip plus SGLang's per-call work)."""
 
@@ -57,7 +61,11 @@ def estimate_sync(
     inter_gbps: float,
     bucket_bytes: int,
     engine_tp: int,
+    transport: str = "auto",
 ) -> SyncEstimate:
+    """`transport`: the resolved rollout.weight_sync (ipc, nccl, object_store); auto: ipc colocated, nccl split."""
+    if transport == "auto":
+        transport = "ipc" if placement.mode == "colocated" else "nccl"
     nbytes = shape.hf_dtype_bytes
     dense_total, expert_total = hf_numel(shape)
     total = (dense_total + expert_total) * nbytes
@@ -75,15 +83,18 @@ def estimate_sync(
         gather += expert / layout.ep * nbytes * (layout.etp - 1) / layout.etp / etp_bw
         gathers.append(gather)
     max_share = max(shares)
-    if placement.mode == "colocated":
-        transport = "colocated: CUDA IPC into the engines on the same GPUs (update_weights_from_tensor)"
+    if transport == "object_store":
+        road = "object_store: host copies through Ray's object store, loaded by each engine's worker"
+        transfer = max(total / (HOST_GBPS * 1e9), max_share / (HOST_GBPS * 1e9))
+    elif transport == "ipc":
+        road = "ipc: CUDA IPC into the engines on the same GPUs (update_weights_from_tensor)"
         local_fraction = min(1.0, placement.engine_nodes / max(1, placement.train_nodes))
         remote = total * (1 - local_fraction)
         network = remote / (placement.gpus_per_engine * inter) if remote else 0.0
         send = max_share / inter if placement.train_nodes > placement.engine_nodes else max_share / intra
         transfer = max(network, send, total / engine_tp / intra)
     else:
-        transport = "split: NCCL broadcast to every engine GPU (update_weights_from_distributed)"
+        road = "nccl: one broadcast per bucket to every engine GPU (update_weights_from_distributed)"
         link = intra if placement.single_node else inter
         ingress = total / (min(gpn, placement.gpus_per_engine) * link)
         transfer = max(ingress, max_share / link, total / intra)
@@ -92,7 +103,7 @@ def estimate_sync(
         num_senders=layout.pp * layout.ep,
         max_sender_bytes=max_share,
         num_buckets=int(-(-max_share // bucket_bytes)),
-        transport=transport,
+        transport=road,
         gather_s=max(gathers),
         transfer_s=transfer,
         overhead_s=-(-total // bucket_bytes) * BUCKET_OVERHEAD_S,

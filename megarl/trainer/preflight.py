@@ -50,13 +50,15 @@ def used_roles(config: JobConfig) -> dict[str, RoleConfig]:
     return roles
 
 
-def preflight(config: JobConfig) -> None:
+def preflight(config: JobConfig, check_memory: bool = True) -> None:
     from megarl.models.layout import check_parallel_layout
     from megarl.models.registry import get_architecture
 
     hf_config = load_model_config(config)
     arch = get_architecture(hf_config.model_type)
     arch.check_supported(hf_config)
+    if config.rl_stages and config.rollout.backend == "sglang":
+        arch.check_sglang_supported(hf_config)
     gpus = config.placement.train_gpus
     for name, role in used_roles(config).items():
         key = f"{name}.model.parallel"
@@ -88,7 +90,8 @@ def preflight(config: JobConfig) -> None:
             f"rollout engines (SGLang --nnodes) are not supported by megarl train yet; use an engine of at most "
             f"{node_gpus} GPUs (`megarl plan` still sizes multi-node layouts)"
         )
-    _check_memory(config)
+    if check_memory:
+        _check_memory(config)
     if config.placement.mode == "colocated" and gpus % config.rollout.gpus_per_engine:
         raise UserError(
             f"placement.train_gpus={gpus} is not a multiple of rollout.gpus_per_engine="

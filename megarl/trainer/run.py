@@ -70,6 +70,36 @@ def train(config: JobConfig) -> int:
     raise AssertionError("unreachable")
 
 
+def dry_run(config: JobConfig) -> int:
+    """`megarl train --dry-run`: every check `train` makes before it starts anything (config, model files, data rows,
+    checkpoints to resume, the plan's memory verdict), then the resolved config, the placement and the SGLang launch
+    commands. Starts neither Ray nor a model and writes nothing; 0 when the job would start, 1 when the plan says it
+    does not fit (other problems raise UserError: exit 2)."""
+    from megarl.config.dump import to_yaml
+    from megarl.plan import run_plan
+    from megarl.trainer.preflight import preflight
+
+    preflight(config, check_memory=False)
+    checkpoints = RunCheckpoints(Path(config.run.dir), config.checkpoint.keep)
+    latest = checkpoints.latest()
+    if latest is not None and config.run.resume == "never":
+        raise UserError(f"{config.run.dir} already has checkpoints; use another run.dir, or run.resume=auto")
+    resume = f"resume from {latest}" if latest is not None else "start fresh"
+    if latest is not None:
+        TrainerState.load(latest)
+    if Path(config.model.path).exists():
+        _read_data(config)  # every row of every file, with the model's tokenizer
+        data_note = "every data row checked"
+    else:
+        data_note = f"data rows are checked once model.init has built {config.model.path} (it holds the tokenizer)"
+    report = run_plan(config, "")
+    print("resolved config\n" + "\n".join(f"  {line}" for line in to_yaml(config).splitlines()))
+    print(report.render().split("\n", 1)[1])  # the plan without its title line
+    print(f"\ndry run: {data_note}; the run would {resume} in {config.run.dir}; nothing was started")
+    checks_memory = config.plan.check_memory and report.launches
+    return 0 if report.fits or not checks_memory else 1
+
+
 def _read_data(config: JobConfig):
     from transformers import AutoTokenizer
 

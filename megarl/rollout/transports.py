@@ -1,0 +1,51 @@
+"""Which road the weights take from the actor to the rollout engines (`rollout.weight_sync`), decided once per job.
+
+- `ipc`: engines on the actor's GPUs (colocated). A sending rank hands each engine a CUDA IPC handle on a flattened
+  copy of the bucket on its own GPU: no host copy. With SGLang the rank posts SGLang's flattened-bucket payload to
+  the engine itself (update_weights_from_tensor, one payload per engine TP rank); with the hf engine the handle goes
+  through Ray to the engine's worker. An engine on none of the sending ranks' GPUs gets the object-store road.
+- `nccl`: SGLang engines on GPUs of their own (split). The sending rank broadcasts each flattened bucket once to
+  every engine GPU through a process group set up at the first sync (update_weights_from_distributed).
+- `object_store`: host copies through Ray's object store, to each engine's worker, which loads them (CPU, and the
+  fallback everywhere).
+- `auto`: ipc when colocated, nccl when split with SGLang and one sending rank, object_store otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from megarl.errors import UserError
+
+Transport = Literal["ipc", "nccl", "object_store"]
+
+
+def resolve_weight_sync(
+    choice: str, backend: str, placement_mode: str, actor_pp: int, actor_ep: int, key: str = "rollout.weight_sync"
+) -> Transport:
+    """The transport for `choice` (rollout.weight_sync), or a UserError naming what rules it out."""
+    colocated = placement_mode == "colocated"
+    one_sender = actor_pp == 1 and actor_ep == 1
+    if choice == "auto":
+        if colocated:
+            return "ipc"
+        return "nccl" if backend == "sglang" and one_sender else "object_store"
+    if choice == "ipc" and not colocated:
+        raise UserError(
+            f"{key}=ipc needs the engines on the actor's GPUs (placement.mode=colocated); with placement.mode="
+            f"{placement_mode} use nccl (sglang) or object_store"
+        )
+    if choice == "nccl":
+        if backend != "sglang":
+            raise UserError(f"{key}=nccl broadcasts into SGLang servers; rollout.backend={backend!r}: use object_store")
+        if colocated:
+            raise UserError(f"{key}=nccl is for engines on GPUs of their own (placement.mode=split); colocated: ipc")
+        if not one_sender:
+            raise UserError(
+                f"{key}=nccl takes one sending rank: the actor has pp={actor_pp}, ep={actor_ep} (one sender per stage "
+                "and expert rank, whose broadcasts into shared engines could deadlock); use object_store, or pp=1 "
+                "and ep=1"
+            )
+    if choice not in ("ipc", "nccl", "object_store"):
+        raise UserError(f"{key}={choice!r}: valid are auto, ipc, nccl, object_store")
+    return choice  # type: ignore[return-value]
