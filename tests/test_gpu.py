@@ -124,6 +124,7 @@ def test_cuda_ipc_sync_leaves_the_colocated_engine_with_the_trained_weights(hf_c
     from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings
     from megarl.workers.megatron_worker import MegatronWorker
     from megarl.workers.rollout_worker import RolloutWorker
+    from megarl.workers.weight_sync import SyncRoute
 
     folder = str(hf_checkpoint("tiny-qwen3"))
     start_ray(ClusterConfig(num_cpus=8, log_to_driver=False))
@@ -144,7 +145,8 @@ def test_cuda_ipc_sync_leaves_the_colocated_engine_with_the_trained_weights(hf_c
         actor.call("update_policy", batch, PolicyLoss(PolicyLossConfig()), dispatch="dp_split")
         devices = rollout.call("device_uuids")
         rollout.call("begin_weight_update", 1)
-        (sent,) = actor.call("sync_weights", rollout.workers, 1, 64 * 1024, devices, collect="all")
+        route = SyncRoute.to_workers(rollout.workers, "ipc", devices)
+        (sent,) = actor.call("sync_weights", route, 1, 64 * 1024, collect="all")
         rollout.call("finish_weight_update", 1)
         assert sent["ipc_engines"] == 1
         trained = dict(actor.call("export_weights", collect="rank0"))

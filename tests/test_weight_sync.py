@@ -24,6 +24,7 @@ from megarl.runtime.parallel import ParallelConfig
 from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings
 from megarl.workers.megatron_worker import MegatronWorker
 from megarl.workers.rollout_worker import RolloutWorker
+from megarl.workers.weight_sync import SyncRoute
 
 PROMPTS = [[1, 17, 25, 33, 9], [1, 40, 41], [1, 8, 77, 12, 13, 14, 15]]
 
@@ -53,7 +54,8 @@ def build(folder, parallel: ParallelConfig):
 
 def sync(actor, rollout, version: int) -> dict:
     rollout.call("begin_weight_update", version)
-    sent = actor.call("sync_weights", rollout.workers, version, 64 * 1024, collect="all")
+    route = SyncRoute.to_workers(rollout.workers)
+    sent = actor.call("sync_weights", route, version, 64 * 1024, collect="all")
     rollout.call("finish_weight_update", version)
     return {"tensors": sum(s["tensors"] for s in sent), "buckets": sum(s["buckets"] for s in sent)}
 

@@ -25,6 +25,10 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 FinishReason = Literal["stop", "length", "abort"]
 
+VERIFY_PATTERN = r"^model\.norm\.weight$|^model\.layers\.\d+\.(input|post_attention)_layernorm\.weight$"
+"""Tensors a weight sync is verified on: norm weights, which every engine keeps under their HF names, whole (no
+fusing, no tensor-parallel split), so their bytes can be compared as sent; small (a few MB at 671B)."""
+
 MEMORY_TAGS = ("weights", "kv_cache")
 """What a colocated engine releases and resumes (SGLang's memory-saver tags): weights first back, KV cache last."""
 
@@ -111,6 +115,11 @@ class RolloutEngine(ABC):
             num_bytes += sum(t.nbytes for _, t in bucket)
         self.finish_weight_update(version)
         return SyncStats(version, num_tensors, num_bytes, time.perf_counter() - start)
+
+    def verify_weights(self, expected: Bucket) -> list[str]:
+        """Compare what the engine holds with `expected` (HF-named tensors as the trainer sent them): one line per
+        tensor that differs or is missing, [] when all agree. Engines that cannot look return [] (not checked)."""
+        return []
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Free accelerator memory for a colocated trainer: `tags` among MEMORY_TAGS (None: all); no-op where

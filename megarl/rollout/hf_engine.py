@@ -311,6 +311,17 @@ class HFEngine(RolloutEngine):
             )
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
+    def verify_weights(self, expected: Bucket) -> list[str]:
+        params = dict(self.model.named_parameters())
+        problems = []
+        for name, tensor in expected:
+            held = params.get(name)
+            if held is None:
+                problems.append(f"{name}: not a parameter of the engine's model")
+            elif not torch.equal(held.detach().cpu(), tensor.to(held.dtype).cpu()):
+                problems.append(f"{name}: the engine holds other values than the trainer sent")
+        return problems
+
     def health(self) -> dict[str, Any]:
         return {
             "ok": self.model is not None,

@@ -199,6 +199,12 @@ class SGLangClient:
             },
         )
 
+    def weight_checksums(self) -> list[dict[str, Any]]:
+        """POST /weights_checker {"action": "checksum"}: per tensor-parallel rank, {"checksums": {parameter name:
+        hex digest}, "parallelism_info": {...}} of every parameter it holds (SGLang's WeightChecker)."""
+        answer = self.control("/weights_checker", {"action": "checksum"})
+        return list(answer.get("ranks") or []) if isinstance(answer, dict) else []
+
     def destroy_weights_update_group(self, group_name: str) -> None:
         self.control("/destroy_weights_update_group", {"group_name": group_name})
 

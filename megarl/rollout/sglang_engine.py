@@ -197,6 +197,34 @@ def context_length_of(model_path: str | os.PathLike) -> int | None:
     return 2048
 
 
+_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32", "float32": "float32"}
+
+
+def served_dtype(config: SGLangEngineConfig, model_path: str | os.PathLike) -> torch.dtype:
+    """The dtype SGLang keeps the weights in: --dtype, or with "auto" the checkpoint's, float32 served as float16
+    (sglang 0.5.23, model_config._get_and_verify_dtype)."""
+    if config.dtype != "auto":
+        return getattr(torch, _DTYPES[config.dtype])
+    try:
+        raw = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        raw = {}
+    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).removeprefix("torch."), torch.float32)
+    return torch.float16 if dtype == torch.float32 else dtype
+
+
+def sglang_checksum(tensor: torch.Tensor) -> str | None:
+    """SGLang's checksum of a parameter as its weights checker reports it (`f"{tensor_hash(t):016x}"`, sglang
+    0.5.23 srt/utils/weight_checker.py): sha256 of the bytes on CPU, its own GPU kernel on CUDA tensors. None where
+    SGLang cannot be imported (the check is then skipped with a warning)."""
+    try:
+        from sglang.srt.managers.mm_utils import tensor_hash
+    except Exception:  # not installed, or its imports fail here: verification is skipped, not the run
+        return None
+    return f"{tensor_hash(tensor.detach().contiguous()):016x}"
+
+
 def check_request(i: int, request: GenerateRequest) -> None:
     """Raise UserError for a request SGLang could not serve or whose prefix records are incomplete."""
     if not request.prompt_ids:
@@ -309,6 +337,8 @@ class SGLangEngine(RolloutEngine):
         weight_sync: Literal["tensor", "distributed"] = "tensor",
         serializer: Serializer = sglang_serializer,
         ipc_device: torch.device | str | None = None,
+        load_format: str | None = None,
+        advertise_host: str | None = None,
     ) -> None:
         self.model_path = str(model_path)
         self.config = config
@@ -325,13 +355,15 @@ class SGLangEngine(RolloutEngine):
         self.ipc_device = ipc_device
         self.weight_version = 0
         # a server launched here on a folder without weights starts with dummy ones (url given: already running)
-        self.load_format = "dummy" if url is None and not has_weight_files(self.model_path) else None
+        if load_format is None and url is None and not has_weight_files(self.model_path):
+            load_format = "dummy"
+        self.load_format = load_format
         self.not_serving: str | None = None
         """Why generate is refused (None: serving): no weights yet, or a weight update that did not complete."""
         if self.load_format == "dummy":
             self.not_serving = (
-                f"it started with dummy weights ({self.model_path} holds no weight files, as a megarl checkpoint's "
-                f"hf/ folder) and no weight sync has completed yet"
+                "it started with dummy weights (--load-format dummy: the trainer's first sync loads them) and no "
+                "weight sync has completed yet"
             )
         self.context_len = config.context_length or context_length_of(self.model_path)
         self.num_dropped = 0
@@ -350,6 +382,8 @@ class SGLangEngine(RolloutEngine):
                 startup_timeout_s=config.startup_timeout_s,
             ).start()
         self.url = url
+        self.advertised_url = url_of(advertise_host, int(url.rsplit(":", 1)[1])) if advertise_host else url
+        """The URL other nodes reach the server at (a trainer's weight sender)."""
         self.client = SGLangClient(
             url, control_timeout_s=config.control_timeout_s, health_timeout_s=config.health_timeout_s
         )
@@ -357,7 +391,22 @@ class SGLangEngine(RolloutEngine):
     @property
     def endpoint(self) -> SGLangEndpoint:
         """This engine as an SGLangWeightSender sees it."""
-        return SGLangEndpoint(self.url, self.config.num_gpus())
+        return SGLangEndpoint(self.advertised_url, self.config.num_gpus())
+
+    def device_uuids(self) -> list[str]:
+        """The GPUs the server runs on (its TP ranks' devices), for actor ranks that send it CUDA IPC handles."""
+        from megarl.workers.bucket_transport import device_uuid
+
+        if self.ipc_rank_devices is not None:
+            return [device_uuid(d) for d in self.ipc_rank_devices]
+        return [device_uuid(torch.device(self.ipc_device))] if self.ipc_device is not None else []
+
+    def abandon_weight_update(self, reason: str) -> None:
+        """The trainer gave up on an update after some buckets may have landed: stop serving, close the session."""
+        self.not_serving = f"a weight update was abandoned ({reason}); it holds mixed weights"
+        if self._sessions:
+            with contextlib.suppress(Exception):
+                self.client.end_weight_update()
 
     # ---- generation ------------------------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingParams) -> list[list[Completion]]:
@@ -454,6 +503,30 @@ class SGLangEngine(RolloutEngine):
 
     def flush_cache(self) -> None:
         self._call(self.client.flush_cache)
+
+    def verify_weights(self, expected: Bucket) -> list[str]:
+        """Compare SGLang's own checksums of its parameters (its weights checker, every TP rank) with checksums of
+        the tensors the trainer sent, computed by SGLang's hash function on this node's GPU in the server's dtype."""
+        if not expected:
+            return []
+        dtype = served_dtype(self.config, self.model_path)
+        device = self.ipc_device if self.ipc_device is not None else "cpu"
+        wanted = {name: sglang_checksum(tensor.to(device=device, dtype=dtype)) for name, tensor in expected}
+        if None in wanted.values():
+            logger.warning("weights of %s not verified: SGLang's hash function cannot be imported here", self.url)
+            return []
+        problems = []
+        for rank, held in enumerate(self._call(self.client.weight_checksums)):
+            checksums = held.get("checksums", {})
+            for name, want in wanted.items():
+                got = checksums.get(name)
+                if got is None:
+                    problems.append(f"{name}: not among the weights of SGLang {self.url} (rank {rank})")
+                elif got != want:
+                    problems.append(
+                        f"{name}: SGLang {self.url} rank {rank} holds checksum {got}, the trainer sent {want}"
+                    )
+        return problems
 
     # ---- memory (colocated training) -------------------------------------------------------------------------------
     def release_memory(self, tags: Sequence[str] | None = None) -> None:

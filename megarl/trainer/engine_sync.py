@@ -1,33 +1,53 @@
-"""The controller's side of a weight sync: the actor's weights into every rollout engine, as a new weight version."""
+"""The controller's side of a weight sync: the actor's weights into every rollout engine, as a new weight version.
+
+A sync is a transaction (FIELD: half-applied updates): begin on every engine, stream the buckets, finish, verify,
+and only then is the version the engines' own. If the sending side fails, every engine is told to stop serving the
+mix it may hold (and refuses to generate until a complete sync), and the error goes up; a verified mismatch stops
+the run naming the tensor.
+"""
 
 from __future__ import annotations
 
+import logging
+
+from megarl.errors import RunFailure
+from megarl.rollout.config import RolloutConfig
 from megarl.trainer.roles import Roles
 from megarl.trainer.run_checkpoint import TrainerState
+
+log = logging.getLogger("megarl")
 
 
 class WeightSync:
     """`sync()` pushes the actor's weights into every engine as the next weight version; `sync(new_version=False)`
     pushes them again at the version they have (engines that restarted or released their weights)."""
 
-    def __init__(self, roles: Roles, state: TrainerState, bucket_bytes: int):
+    def __init__(self, roles: Roles, state: TrainerState, rollout: RolloutConfig, transport: str):
         self.roles = roles
         self.state = state
-        self.bucket_bytes = bucket_bytes
-        self.engine_devices: list[list[str]] | None = None
-        """The GPUs each engine sees (asked at the first sync; empty on CPU and with split placement): an actor
-        rank on one of them sends CUDA IPC buckets."""
+        self.rollout = rollout
+        self.transport = transport
+        """rollout.weight_sync resolved (megarl/rollout/transports.py)."""
+        self.route = None
+        """How the weights travel (a SyncRoute), asked of the engines at the first sync."""
+        self.num_syncs = 0
 
     def __call__(self, new_version: bool = True) -> dict[str, float]:
         version = self.state.weight_version + int(new_version)
         rollout, actor = self.roles.rollout, self.roles.actor
-        if self.engine_devices is None:
-            self.engine_devices = rollout.call("device_uuids") if self.roles.colocated else []
+        if self.route is None:
+            self.route = self._route()
         rollout.call("begin_weight_update", version)
-        sent = actor.call(
-            "sync_weights", rollout.workers, version, self.bucket_bytes, self.engine_devices, collect="all"
-        )
+        try:
+            sent = actor.call("sync_weights", self.route, version, self.rollout.bucket_bytes, collect="all")
+        except BaseException as err:
+            rollout.call("abandon_weight_update", str(err).splitlines()[0][:300])
+            raise
         received = rollout.call("finish_weight_update", version)
+        self.num_syncs += 1
+        verify = self.rollout.verify_sync
+        if verify == "every" or (verify == "first" and self.num_syncs == 1):
+            self._verify([item for s in sent for item in s["samples"]], version)
         self.state.weight_version = version
         return {
             "sync/bytes": sum(s["bytes"] for s in sent),
@@ -36,3 +56,27 @@ class WeightSync:
             "sync/weight_version": float(version),
             "sync/ipc_engines": max(s["ipc_engines"] for s in sent),
         }
+
+    def _route(self):
+        from megarl.workers.weight_sync import EngineTarget, SyncRoute
+
+        rollout = self.roles.rollout
+        devices = rollout.call("device_uuids") if self.roles.colocated else [[] for _ in rollout.workers]
+        endpoints = rollout.call("sglang_endpoint")
+        engines = tuple(
+            EngineTarget(worker, tuple(d), endpoint) for worker, d, endpoint in zip(rollout.workers, devices, endpoints)
+        )
+        log.info("weight sync: %s into %d engine(s)", self.transport, len(engines))
+        return SyncRoute(self.transport, engines, timeout_s=self.rollout.sglang.control_timeout_s)
+
+    def _verify(self, samples: list, version: int) -> None:
+        """Every engine holds exactly the sampled tensors the trainer sent, or the run stops naming them."""
+        problems = self.roles.rollout.call("verify_weights", samples)
+        bad = [f"engine {i}: {line}" for i, lines in enumerate(problems) for line in lines]
+        if bad:
+            raise RunFailure(
+                f"weight sync to version {version} did not land ({len(bad)} tensor(s) differ); first: {bad[0]}. "
+                "Stopping: rollouts from these engines would not come from the trainer's weights "
+                "(rollout.verify_sync=never skips this check)."
+            )
+        log.info("weight sync verified on %d tensor(s) x %d engine(s)", len(samples), len(problems))

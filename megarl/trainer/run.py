@@ -122,6 +122,7 @@ def _start(
     from megarl.cluster.orphans import kill_leftover_processes, record_local_processes
     from megarl.cluster.ray_runtime import start_ray, stop_ray
     from megarl.rewards.runner import RewardRunner
+    from megarl.rollout.transports import resolve_weight_sync
     from megarl.trainer.checkpointer import Checkpointer
     from megarl.trainer.engine_sync import WeightSync
     from megarl.trainer.evaluation import Evaluator
@@ -155,7 +156,14 @@ def _start(
         console_every=config.logging.console_every,
     )
     stack.callback(progress.close)
-    sync = WeightSync(roles, state, config.rollout.bucket_bytes)
+    transport = resolve_weight_sync(
+        config.rollout.weight_sync,
+        config.rollout.backend,
+        config.placement.mode,
+        config.actor.model.parallel.pp,
+        config.actor.model.parallel.ep,
+    )
+    sync = WeightSync(roles, state, config.rollout, transport)
     handover = Handover(roles, config.placement.offload, resync=lambda: sync(new_version=False))
     trained = {"actor": roles.actor, "critic": roles.critic}
     if "rm" in config.run.stages:

@@ -103,15 +103,15 @@ class MegatronWorker(Worker):
 
     # -- weights ---------------------------------------------------------------------------------------------------
 
-    def sync_weights(
-        self, engines: list, version: int, bucket_bytes: int, engine_devices: list[list[str]] | None = None
-    ) -> dict[str, float]:
-        """Stream this rank's share of the HF-named weights into every rollout engine (workers/weight_sync.py);
-        engines that see this rank's GPU (`engine_devices`) get CUDA IPC handles."""
-        from megarl.workers.weight_sync import send_weights
+    def sync_weights(self, route, version: int, bucket_bytes: int) -> dict:
+        """Stream this rank's share of the HF-named weights into every rollout engine along `route` (a SyncRoute:
+        workers/weight_sync.py), keeping what a transport needs between syncs (the NCCL group)."""
+        from megarl.workers.weight_sync import SenderState, send_weights
 
         faults.hit(f"{self.role}.sync")
-        return send_weights(self.model.loaded, engines, version, bucket_bytes, engine_devices)
+        if getattr(self, "_sender_state", None) is None:
+            self._sender_state = SenderState()
+        return send_weights(self.model.loaded, route, version, bucket_bytes, self._sender_state)
 
     def export_weights(self) -> list[tuple[str, object]]:
         """This rank's share of the HF-named weights, as a sync would send them (checks and debugging; a sync

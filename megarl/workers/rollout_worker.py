@@ -53,6 +53,24 @@ def build_engine(
     return engine_cls(model_path, engine_config, **kwargs)
 
 
+def sglang_launch_kwargs(config: RolloutConfig, gpu_ids: Sequence[str] | None) -> dict[str, Any]:
+    """How the worker launches its SGLang server, as `megarl plan` prints it (megarl/rollout/sglang_launch.py):
+    listening on every interface at rollout.sglang.port + the engine's index on its node, dummy weights until the
+    first sync, reached by other nodes at this node's address."""
+    import ray
+
+    from megarl.rollout.sglang_launch import LISTEN_HOST
+
+    ids = list(gpu_ids) if gpu_ids else [str(i) for i in ray.get_gpu_ids()]
+    local_index = min(int(i) for i in ids) // config.gpus_per_engine if ids else 0
+    return {
+        "host": LISTEN_HOST,
+        "port": config.sglang.port + local_index,
+        "load_format": "dummy",
+        "advertise_host": ray.util.get_node_ip_address(),
+    }
+
+
 class RolloutWorker(Worker):
     process_group_backend = "gloo"
     """The engines run in their own processes; the group itself only coordinates (and an engine of several GPUs
@@ -75,7 +93,8 @@ class RolloutWorker(Worker):
         hf_logging.disable_progress_bar()  # one bar per engine in the driver's log says nothing
         start = time.perf_counter()
         with self._lock:
-            self.engine = build_engine(config.backend, str(hf_config_dir(model_path)), config, gpu_ids)
+            kwargs = sglang_launch_kwargs(config, gpu_ids) if config.backend == "sglang" else {}
+            self.engine = build_engine(config.backend, str(hf_config_dir(model_path)), config, gpu_ids, **kwargs)
             self._sync_start = 0.0
             self._sync_tensors = self._sync_bytes = 0
         return {"seconds": time.perf_counter() - start}
@@ -109,10 +128,26 @@ class RolloutWorker(Worker):
         self.apply_bucket(unpack_bucket_ipc(packed))
 
     def device_uuids(self) -> list[str]:
-        """The GPUs this worker sees: actor ranks on one of them send CUDA IPC buckets instead of host copies."""
+        """The GPUs the engine runs on: actor ranks on one of them send CUDA IPC buckets instead of host copies."""
         from megarl.workers.bucket_transport import visible_device_uuids
 
+        if hasattr(self.engine, "device_uuids"):
+            return self.engine.device_uuids()
         return visible_device_uuids()
+
+    def sglang_endpoint(self):
+        """Where the trainer's ranks reach this engine's SGLang server directly (None for other engines)."""
+        return getattr(self.engine, "endpoint", None)
+
+    def abandon_weight_update(self, reason: str) -> None:
+        """A sync failed on the sending side: the engine must not serve the mix of weights it may hold."""
+        if hasattr(self.engine, "abandon_weight_update"):
+            self.engine.abandon_weight_update(reason)
+
+    def verify_weights(self, expected: Bucket) -> list[str]:
+        """Differences between the engine's weights and `expected` (see RolloutEngine.verify_weights)."""
+        with self._lock:
+            return self.engine.verify_weights(expected)
 
     def apply_bucket(self, bucket: Bucket) -> None:
         with self._lock:

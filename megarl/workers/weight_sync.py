@@ -1,74 +1,177 @@
-"""Weight sync, sending side: the actor's shards -> HF-named buckets -> every rollout engine.
+"""Weight sync, sending side: the actor's shards -> HF-named buckets -> every rollout engine, by the job's transport.
 
 Each actor rank runs the bridge's export stream (gathering TP shards is collective, so every rank iterates it; only
-the senders get buckets: one rank per TP group, each PP stage its own layers, each EP rank its own experts). A
-bucket goes into Ray's object store once (as NumPy views: megarl/workers/bucket_transport.py) and to every engine
-by reference. Gathering the next bucket overlaps the
-engines applying the current one; at most two buckets are in flight, which bounds the memory beyond the model.
-
-An engine on the same GPU as the sending rank (colocated; `engine_devices` lists each engine's visible GPUs) gets a
-CUDA IPC handle on a flattened copy of the bucket instead: no host copy, the engine copies device to device.
-
-On GPU clusters with SGLang the transport is SGLang's own (update_weights_from_tensor when colocated, an NCCL
-broadcast group when split: megarl/rollout/sglang_weights.py); this Ray path serves the embedded `hf` engine and
-any engine behind a Ray worker.
+the senders get buckets: one rank per TP group, each PP stage its own layers, each EP rank its own experts). Per
+bucket and engine, the road (megarl/rollout/transports.py):
+- object store: the bucket goes into Ray's object store once (as NumPy views: megarl/workers/bucket_transport.py)
+  and to every engine's worker by reference;
+- ipc, for an engine on this rank's GPU: a CUDA IPC handle on a flattened copy, no host copy. An SGLang engine gets
+  SGLang's own flattened-bucket payload posted straight to its server (update_weights_from_tensor, one payload per
+  engine TP rank); the hf engine's worker gets the handle through Ray. Engines elsewhere take the object store;
+- nccl (SGLang engines on GPUs of their own): the sending rank broadcasts each flattened bucket to every engine GPU
+  through an SGLangWeightSender it keeps between syncs (closed on any failure, so the next sync starts clean).
+Gathering the next bucket overlaps the engines applying the current one; at most two buckets are in flight, which
+bounds the memory beyond the model. The norm weights (rollout/engine.py VERIFY_PATTERN) are kept, as sent, for the
+controller to verify the engines against.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
 from megarl.bridge.exporter import export_hf_weights
 from megarl.checkpoint.model_io import LoadedModel
+from megarl.rollout.engine import VERIFY_PATTERN, Bucket
+from megarl.rollout.sglang_weights import SGLangEndpoint
 from megarl.workers.bucket_transport import device_uuid, pack_bucket, pack_bucket_ipc
 
 MAX_BUCKETS_IN_FLIGHT = 2
 
 
-def send_weights(
-    model: LoadedModel, engines: list, version: int, bucket_bytes: int, engine_devices: list[list[str]] | None = None
-) -> dict[str, float]:
-    """Collective over the actor's ranks: send this rank's buckets to every engine (a Ray actor handle with
-    `apply_packed_bucket(packed)` and `apply_ipc_bucket(packed)` methods). Returns {"bytes", "tensors", "buckets",
-    "seconds", "ipc_engines"} of what this rank sent."""
-    import ray
+@dataclass(frozen=True)
+class EngineTarget:
+    """One rollout engine as a sending rank sees it."""
 
+    worker: object
+    """The engine's Ray worker (apply_packed_bucket / apply_ipc_bucket)."""
+    devices: tuple[str, ...] = ()
+    """UUIDs of the GPUs the engine runs on (empty on CPU)."""
+    sglang: SGLangEndpoint | None = None
+    """An SGLang engine's server, for the roads that reach it directly (ipc, nccl)."""
+
+
+@dataclass(frozen=True)
+class SyncRoute:
+    """How this job's weights travel (decided once by the controller: trainer/engine_sync.py)."""
+
+    transport: str
+    """ipc, nccl or object_store (rollout.weight_sync resolved)."""
+    engines: tuple[EngineTarget, ...]
+    group_name: str = "megarl_weights"
+    timeout_s: float = 600.0
+
+    @classmethod
+    def to_workers(cls, workers: list, transport: str = "object_store", devices: list[list[str]] | None = None):
+        """A route to engine workers that are not SGLang servers (the hf engine; tests and benchmarks)."""
+        devices = devices or [[] for _ in workers]
+        return cls(transport, tuple(EngineTarget(w, tuple(d)) for w, d in zip(workers, devices)))
+
+
+@dataclass
+class SenderState:
+    """What a sending rank keeps between syncs: the NCCL group with the SGLang engines."""
+
+    nccl: object | None = None
+    samples: Bucket = field(default_factory=list)
+
+
+def send_weights(model: LoadedModel, route: SyncRoute, version: int, bucket_bytes: int, state: SenderState) -> dict:
+    """Collective over the actor's ranks: send this rank's buckets to every engine. Returns {"bytes", "tensors",
+    "buckets", "seconds", "ipc_engines", "samples"} of what this rank sent ("samples": the norm weights, on CPU)."""
     start = time.perf_counter()
     in_flight: deque[tuple[list, object]] = deque()
     sent_bytes = sent_tensors = num_buckets = 0
-    ipc = _same_gpu(engines, engine_devices)
-    with torch.no_grad():
-        for bucket in export_hf_weights(model.bridge, model.hf_dtypes, bucket_bytes):
-            while len(in_flight) >= MAX_BUCKETS_IN_FLIGHT:
-                ray.get(in_flight.popleft()[0])
-            calls, keep_alive = [], None
-            if any(ipc):
-                packed_ipc, keep_alive = pack_bucket_ipc(bucket)  # the buffer lives until the engines have copied
-                calls += [engine.apply_ipc_bucket.remote(packed_ipc) for engine, on in zip(engines, ipc) if on]
-            if not all(ipc):
-                ref = ray.put(pack_bucket(bucket))  # copied into the object store: parameters may change afterwards
-                calls += [engine.apply_packed_bucket.remote(ref) for engine, on in zip(engines, ipc) if not on]
-            in_flight.append((calls, keep_alive))
-            sent_bytes += sum(t.nbytes for _, t in bucket)
-            sent_tensors += len(bucket)
-            num_buckets += 1
-    while in_flight:
-        ray.get(in_flight.popleft()[0])
+    roads = _roads(route)
+    samples: Bucket = []
+    verify = re.compile(VERIFY_PATTERN)
+    try:
+        with torch.no_grad():
+            for bucket in export_hf_weights(model.bridge, model.hf_dtypes, bucket_bytes):
+                while len(in_flight) >= MAX_BUCKETS_IN_FLIGHT:
+                    _wait(in_flight.popleft()[0])
+                in_flight.append(_send_bucket(bucket, route, roads, state))
+                samples += [(name, t.detach().cpu().clone()) for name, t in bucket if verify.search(name)]
+                sent_bytes += sum(t.nbytes for _, t in bucket)
+                sent_tensors += len(bucket)
+                num_buckets += 1
+        while in_flight:
+            _wait(in_flight.popleft()[0])
+    except BaseException:
+        close_sender(state)  # a half-used NCCL group is not reused
+        raise
     return {
         "bytes": float(sent_bytes),
         "tensors": float(sent_tensors),
         "buckets": float(num_buckets),
         "seconds": time.perf_counter() - start,
-        "ipc_engines": float(sum(ipc)),
+        "ipc_engines": float(sum(road == "ipc" for road in roads)),
+        "samples": samples,
     }
 
 
-def _same_gpu(engines: list, engine_devices: list[list[str]] | None) -> list[bool]:
-    """Per engine: does it see this rank's GPU (then a CUDA IPC handle reaches it without a host copy)?"""
-    if not engine_devices or not torch.cuda.is_available():
-        return [False] * len(engines)
-    mine = device_uuid(torch.device("cuda", torch.cuda.current_device()))
-    return [mine in devices for devices in engine_devices]
+def close_sender(state: SenderState) -> None:
+    if state.nccl is not None:
+        try:
+            state.nccl.close()
+        finally:
+            state.nccl = None
+
+
+def _roads(route: SyncRoute) -> list[str]:
+    """Per engine: ipc (on this rank's GPU), nccl or object_store."""
+    if route.transport == "nccl":
+        return ["nccl"] * len(route.engines)
+    mine = device_uuid(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
+    return [
+        "ipc" if route.transport == "ipc" and mine is not None and mine in engine.devices else "object_store"
+        for engine in route.engines
+    ]
+
+
+def _send_bucket(bucket: Bucket, route: SyncRoute, roads: list[str], state: SenderState) -> tuple[list, object]:
+    """Start sending one bucket on every engine's road; returns (Ray calls to wait for, what must stay alive)."""
+    import ray
+
+    from megarl.rollout.sglang_client import SGLangClient
+    from megarl.rollout.sglang_weights import send_flattened_bucket
+
+    calls, keep_alive = [], []
+    if "nccl" in roads:
+        if state.nccl is None:
+            state.nccl = _connect_sender(route)
+        state.nccl.send_bucket(bucket)
+    hf_ipc = [e for e, road in zip(route.engines, roads) if road == "ipc" and e.sglang is None]
+    if hf_ipc:
+        packed, buffer = pack_bucket_ipc(bucket)  # the buffer lives until the engines have copied
+        calls += [engine.worker.apply_ipc_bucket.remote(packed) for engine in hf_ipc]
+        keep_alive.append(buffer)
+    for engine, road in zip(route.engines, roads):
+        if road == "ipc" and engine.sglang is not None:  # SGLang's payload, straight to its server
+            client = SGLangClient(engine.sglang.url, control_timeout_s=route.timeout_s)
+            device = torch.device("cuda", torch.cuda.current_device())
+            send_flattened_bucket(client, bucket, num_ranks=engine.sglang.num_ranks, device=device)
+    by_store = [e for e, road in zip(route.engines, roads) if road == "object_store"]
+    if by_store:
+        ref = ray.put(pack_bucket(bucket))  # copied into the object store: parameters may change afterwards
+        calls += [engine.worker.apply_packed_bucket.remote(ref) for engine in by_store]
+    return calls, keep_alive
+
+
+def _connect_sender(route: SyncRoute):
+    import ray
+
+    from megarl.rollout.sglang_weights import SGLangWeightSender
+
+    endpoints = [engine.sglang for engine in route.engines]
+    if any(endpoint is None for endpoint in endpoints):
+        raise RuntimeError("rollout.weight_sync=nccl reaches SGLang engines only; an engine here is not one")
+    sender = SGLangWeightSender(
+        endpoints,
+        master_address=ray.util.get_node_ip_address(),
+        backend="nccl" if torch.cuda.is_available() else "gloo",
+        group_name=route.group_name,
+        timeout_s=route.timeout_s,
+    )
+    sender.connect()
+    return sender
+
+
+def _wait(calls: list) -> None:
+    import ray
+
+    ray.get(calls)

@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings
     from megarl.workers.megatron_worker import MegatronWorker
     from megarl.workers.rollout_worker import RolloutWorker
+    from megarl.workers.weight_sync import SyncRoute
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -71,14 +72,15 @@ def main(argv: list[str] | None = None) -> dict:
             actor.call("setup", settings, MicroBatchSettings(), "lm", OptimizerSettings(), 10)
             rollout.call("setup", str(folder), RolloutConfig(hf=HFEngineConfig(dtype="bfloat16")))
             devices = rollout.call("device_uuids")
-            for transport, engine_devices in (("cuda_ipc", devices), ("object_store", None)):
+            for transport, route in (
+                ("cuda_ipc", SyncRoute.to_workers(rollout.workers, "ipc", devices)),
+                ("object_store", SyncRoute.to_workers(rollout.workers)),
+            ):
                 seconds, num_bytes = [], 0.0
                 for version in range(1, args.reps + 2):
                     start = time.perf_counter()
                     rollout.call("begin_weight_update", version)
-                    (sent,) = actor.call(
-                        "sync_weights", rollout.workers, version, args.bucket_mb << 20, engine_devices, collect="all"
-                    )
+                    (sent,) = actor.call("sync_weights", route, version, args.bucket_mb << 20, collect="all")
                     rollout.call("finish_weight_update", version)
                     if version > 1:  # the first sync warms up allocations and the IPC mappings
                         seconds.append(time.perf_counter() - start)

@@ -348,7 +348,10 @@ class Bench:
 
     def sync(self, bucket_bytes: int):
         """The trainer's call, as in megarl/trainer: every actor rank runs `send_weights` to every engine."""
-        return self.actor.call("sync_weights", self.rollout.workers, self.version, bucket_bytes, collect="all")
+        from megarl.workers.weight_sync import SyncRoute
+
+        route = SyncRoute.to_workers(self.rollout.workers)
+        return self.actor.call("sync_weights", route, self.version, bucket_bytes, collect="all")
 
     def instrumented(self, bucket_bytes: int, transport: str, gather_mode: str):
         workers = self.actor.workers

@@ -1,0 +1,104 @@
+"""The controller's weight sync as a transaction: begin, send, finish, verify (first / every / never), and what
+happens to the engines when the sending side fails. Worker groups are stood in for by recorders (the real groups
+run in tests/test_weight_sync.py and every `megarl train` test); the engines' own checks run for real below."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.errors import RunFailure
+from megarl.rollout.config import HFEngineConfig, RolloutConfig
+from megarl.rollout.engine import SyncStats
+from megarl.trainer.engine_sync import WeightSync
+from megarl.trainer.run_checkpoint import TrainerState
+
+
+class Group:
+    """Records calls; answers from `answers[method]` (a value, or an exception to raise)."""
+
+    def __init__(self, answers: dict, workers: int = 2):
+        self.answers = answers
+        self.calls: list[tuple] = []
+        self.workers = [f"worker{i}" for i in range(workers)]
+
+    def call(self, method: str, *args, **kwargs):
+        self.calls.append((method, *args))
+        answer = self.answers.get(method)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer(*args) if callable(answer) else answer
+
+
+class Roles:
+    colocated = False
+
+    def __init__(self, actor: Group, rollout: Group):
+        self.actor, self.rollout = actor, rollout
+
+
+def sent(samples):
+    return {"bytes": 8.0, "seconds": 0.1, "ipc_engines": 0.0, "samples": samples}
+
+
+def make(verify: str, problems=None, send=None):
+    norm = [("model.norm.weight", torch.ones(4))]
+    rollout = Group({
+        "device_uuids": [[], []], "sglang_endpoint": [None, None],
+        "finish_weight_update": [SyncStats(1, 1, 8, 0.1)] * 2,
+        "verify_weights": problems if problems is not None else [[], []],
+    })  # fmt: skip
+    actor = Group({"sync_weights": send if send is not None else [sent(norm), sent([])]})
+    sync = WeightSync(Roles(actor, rollout), TrainerState(), RolloutConfig(verify_sync=verify), "object_store")
+    return sync, actor, rollout
+
+
+def methods(group: Group) -> list[str]:
+    return [call[0] for call in group.calls]
+
+
+@pytest.mark.parametrize(("verify", "verified"), [("first", [True, False, False]), ("every", [True, True, True]),
+                                                  ("never", [False, False, False])])  # fmt: skip
+def test_verification_runs_after_the_syncs_it_is_asked_for(verify, verified):
+    sync, _, rollout = make(verify)
+    for _ in range(3):
+        rollout.calls.clear()
+        metrics = sync()
+        steps = [m for m in methods(rollout) if m in ("begin_weight_update", "finish_weight_update", "verify_weights")]
+        assert steps == ["begin_weight_update", "finish_weight_update"] + ["verify_weights"] * verified.pop(0)
+    assert metrics["sync/weight_version"] == 3.0
+
+
+def test_verification_gets_every_sampled_tensor_the_senders_kept():
+    sync, _, rollout = make("first")
+    sync()
+    (call,) = [c for c in rollout.calls if c[0] == "verify_weights"]
+    assert [name for name, _ in call[1]] == ["model.norm.weight"]
+
+
+def test_a_mismatch_stops_the_run_naming_engine_and_tensor():
+    problems = [[], ["model.layers.3.input_layernorm.weight: SGLang http://n1:30000 rank 1 holds checksum ab"]]
+    sync, _, _ = make("first", problems=problems)
+    with pytest.raises(RunFailure, match=r"engine 1: model\.layers\.3\.input_layernorm\.weight: SGLang .* rank 1"):
+        sync()
+    assert sync.state.weight_version == 0  # the version was not published
+
+
+def test_a_failed_send_quarantines_every_engine_and_is_raised():
+    sync, _, rollout = make("first", send=RuntimeError("SGLang http://n1:30000 refused weight bucket model.x: boom"))
+    with pytest.raises(RuntimeError, match="boom"):
+        sync()
+    assert methods(rollout)[-2:] == ["begin_weight_update", "abandon_weight_update"]
+    assert "refused weight bucket model.x" in rollout.calls[-1][1]
+    assert sync.state.weight_version == 0
+
+
+def test_the_hf_engine_verifies_its_own_weights(hf_checkpoint):
+    from megarl.rollout.hf_engine import HFEngine
+
+    engine = HFEngine(hf_checkpoint("tiny-qwen2"), HFEngineConfig())
+    norm = engine.model.get_parameter("model.norm.weight").detach().clone()
+    assert engine.verify_weights([("model.norm.weight", norm)]) == []
+    problems = engine.verify_weights([("model.norm.weight", norm + 1), ("model.nope.weight", norm)])
+    assert problems == ["model.norm.weight: the engine holds other values than the trainer sent",
+                        "model.nope.weight: not a parameter of the engine's model"]  # fmt: skip
