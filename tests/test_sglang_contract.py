@@ -250,3 +250,17 @@ def test_sglang_parses_every_launch_command_megarl_plan_prints(path, mode):
         assert "deprecated" not in printed.lower(), printed
         assert parsed.load_format == "dummy" and parsed.tp_size == config.rollout.sglang.tp
         assert parsed.nnodes == report.placement.engine_nodes and parsed.port == launch.port
+
+
+# ---- verification checksums ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_checksums_are_sglangs_weight_checker_digests(dtype):
+    from megarl.rollout.sglang_engine import sglang_checksum
+
+    checker = sglang_contract.sglang_module("sglang.srt.utils.weight_checker")
+    tensor = torch.randn(7, 5).to(dtype)
+    assert sglang_checksum(tensor) == checker._hash_tensor(tensor)
+    assert sglang_checksum(tensor.t()) == checker._hash_tensor(tensor.t().contiguous())  # a view hashes its values
+    assert sglang_checksum(tensor) != sglang_checksum(tensor + 1)

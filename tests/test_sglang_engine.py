@@ -33,7 +33,7 @@ from megarl.errors import UserError
 from megarl.rollout.config import SamplingParams, SGLangEngineConfig
 from megarl.rollout.engine import GenerateRequest, sample_seed
 from megarl.rollout.sglang_client import SGLangClient, SGLangError
-from megarl.rollout.sglang_engine import SGLangEngine, build_generate_payload, parse_completion
+from megarl.rollout.sglang_engine import SGLangEngine, build_generate_payload, parse_completion, sglang_checksum
 from megarl.rollout.sglang_server import SGLangServerError, find_free_port
 from megarl.rollout.sglang_weights import pickle_serializer
 
@@ -334,6 +334,15 @@ class FakeSGLang:
                 self.weights[meta.name] = tensor.clone()
         return 200, {"success": True, "message": "Success"}
 
+    def on_weights_checker(self, body):
+        """SGLang's WeightChecker "checksum" action: per TP rank, a checksum of every parameter it holds (here: the
+        tensors as received; SGLang's own hash function, see sglang_checksum)."""
+        checksums = {name: sglang_checksum(t) for name, t in self.weights.items()}
+        info = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+                "rank": 0, "size": 1}  # fmt: skip
+        ranks = [{"checksums": checksums, "per_gpu_checksum": "x", "parallelism_info": [info]}]
+        return 200, {"success": True, "message": "", "ranks": ranks, "per_engine_checksum": "y"}
+
     def on_release_memory_occupation(self, body):
         return 200, None
 
@@ -342,6 +351,8 @@ class FakeSGLang:
 
 @pytest.fixture
 def fake():
+    if sglang_contract.installed():
+        sglang_contract.install_stand_ins()  # SGLang's hash function imports its multimodal utilities
     server = FakeSGLang()
     yield server
     server.close()
@@ -448,6 +459,21 @@ def test_a_failed_weight_update_quarantines_the_engine_until_a_complete_one(fake
     engine.update_weights([[("a", torch.ones(2)), ("b", torch.ones(2)), ("c", torch.ones(2))]], version=3)
     (c,) = engine.generate([GenerateRequest([1])], SamplingParams(max_new_tokens=1))[0]
     assert c.weight_version == 3
+
+
+@pytest.mark.skipif(not sglang_contract.installed(), reason=sglang_contract.INSTALL_HINT)
+def test_verify_compares_sglangs_checksums_with_what_was_sent(fake):
+    engine = make_engine(fake, dtype="float32")
+    norm = ("model.norm.weight", torch.randn(8))
+    layer = ("model.layers.0.input_layernorm.weight", torch.randn(8))
+    engine.update_weights([[norm, layer]], version=1)
+    assert engine.verify_weights([norm, layer]) == []
+    fake.weights["model.norm.weight"] += 1  # the server holds something else than what was sent
+    del fake.weights["model.layers.0.input_layernorm.weight"]
+    problems = engine.verify_weights([norm, layer])
+    assert len(problems) == 2
+    assert problems[0].startswith(f"model.norm.weight: SGLang {fake.url} rank 0 holds checksum ")
+    assert problems[1] == f"model.layers.0.input_layernorm.weight: not among the weights of SGLang {fake.url} (rank 0)"
 
 
 def test_cache_is_flushed_after_every_update_and_in_place_pauses_are_refused():
