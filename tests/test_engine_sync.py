@@ -102,3 +102,76 @@ def test_the_hf_engine_verifies_its_own_weights(hf_checkpoint):
     problems = engine.verify_weights([("model.norm.weight", norm + 1), ("model.nope.weight", norm)])
     assert problems == ["model.norm.weight: the engine holds other values than the trainer sent",
                         "model.nope.weight: not a parameter of the engine's model"]  # fmt: skip
+
+
+# ---- the sending side's roads --------------------------------------------------------------------------------------
+
+
+class RecordingSender:
+    def __init__(self, fail_at: int | None = None):
+        self.buckets, self.closed, self.fail_at = [], False, fail_at
+
+    def send_bucket(self, bucket):
+        if self.fail_at is not None and len(self.buckets) == self.fail_at:
+            raise RuntimeError(f"SGLang refused weight bucket {bucket[0][0]}")
+        self.buckets.append([name for name, _ in bucket])
+
+    def close(self):
+        self.closed = True
+
+
+def export_stub(buckets):
+    def export(bridge, dtypes, bucket_bytes):
+        yield from buckets
+
+    return export
+
+
+BUCKETS = [
+    [("model.embed_tokens.weight", torch.ones(4, 2)), ("model.layers.0.input_layernorm.weight", torch.ones(2))],
+    [("model.layers.0.self_attn.q_proj.weight", torch.ones(2, 2)), ("model.norm.weight", torch.full((2,), 3.0))],
+]
+
+
+def test_nccl_road_sends_every_bucket_through_one_sender_kept_between_syncs(monkeypatch):
+    from megarl.rollout.sglang_weights import SGLangEndpoint
+    from megarl.workers import weight_sync
+    from megarl.workers.weight_sync import EngineTarget, SenderState, SyncRoute, send_weights
+
+    sender = RecordingSender()
+    connects = []
+    monkeypatch.setattr(weight_sync, "export_hf_weights", export_stub(BUCKETS))
+    monkeypatch.setattr(weight_sync, "_connect_sender", lambda route: connects.append(route) or sender)
+    engines = (EngineTarget("w0", (), SGLangEndpoint("http://a:30000", 2)), EngineTarget("w1", (), None))
+    route, state = SyncRoute("nccl", engines), SenderState()
+    model = type("Model", (), {"bridge": None, "hf_dtypes": torch.float32})()
+    for _ in range(2):
+        stats = send_weights(model, route, 1, 1 << 20, state)
+    assert len(connects) == 1 and state.nccl is sender  # one group for the whole run
+    assert sender.buckets == [[n for n, _ in b] for b in BUCKETS] * 2
+    assert [name for name, _ in stats["samples"]] == ["model.layers.0.input_layernorm.weight", "model.norm.weight"]
+    assert stats["tensors"] == 4 and stats["ipc_engines"] == 0
+
+
+def test_a_failed_broadcast_closes_the_group_so_the_next_sync_starts_clean(monkeypatch):
+    from megarl.rollout.sglang_weights import SGLangEndpoint
+    from megarl.workers import weight_sync
+    from megarl.workers.weight_sync import EngineTarget, SenderState, SyncRoute, send_weights
+
+    sender = RecordingSender(fail_at=1)
+    monkeypatch.setattr(weight_sync, "export_hf_weights", export_stub(BUCKETS))
+    monkeypatch.setattr(weight_sync, "_connect_sender", lambda route: sender)
+    route, state = SyncRoute("nccl", (EngineTarget("w0", (), SGLangEndpoint("http://a:1", 1)),)), SenderState()
+    model = type("Model", (), {"bridge": None, "hf_dtypes": torch.float32})()
+    with pytest.raises(RuntimeError, match="refused weight bucket model.layers.0.self_attn.q_proj.weight"):
+        send_weights(model, route, 1, 1 << 20, state)
+    assert sender.closed and state.nccl is None
+
+
+def test_ipc_road_needs_the_engine_on_this_ranks_gpu():
+    from megarl.workers.weight_sync import EngineTarget, SyncRoute, _roads
+
+    engines = (EngineTarget("w0", ("GPU-a",)), EngineTarget("w1", ()))
+    assert _roads(SyncRoute("object_store", engines)) == ["object_store", "object_store"]
+    # no GPU here: no engine shares this rank's GPU, both take the object store
+    assert _roads(SyncRoute("ipc", engines)) == ["object_store", "object_store"]

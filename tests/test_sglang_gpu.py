@@ -90,6 +90,28 @@ def test_update_weights_from_tensor(checkpoints, engine):
     check_logprobs(checkpoints[1], engine)
     (completion,) = engine.generate([GenerateRequest(PROMPTS[0])], SamplingParams(max_new_tokens=2))[0]
     assert completion.weight_version == 1 and completion.token_versions == [1, 1]
+    # the sync check: SGLang's own checksums of the norm weights equal those of the tensors sent
+    norms = [(name, t) for name, t in hf_state(checkpoints[1]) if "norm" in name]
+    assert engine.verify_weights(norms) == []
+    assert len(engine.verify_weights([(norms[0][0], norms[0][1] + 1)])) == 1
+
+
+def test_a_server_started_on_dummy_weights_serves_after_the_first_sync(checkpoints, tmp_path):
+    import shutil
+
+    from megarl.rollout.sglang_engine import SGLangEngine
+
+    config_only = tmp_path / "hf"  # as a megarl checkpoint's hf/ folder: config and tokenizer, no weights
+    shutil.copytree(checkpoints[1], config_only, ignore=shutil.ignore_patterns("*.safetensors"))
+    engine = SGLangEngine(config_only, server_config(), log_path=tmp_path / "s.log")
+    try:
+        assert engine.load_format == "dummy"
+        with pytest.raises(Exception, match="refuses to generate"):
+            engine.generate([GenerateRequest(PROMPTS[0])], SamplingParams(max_new_tokens=2))
+        engine.update_weights([hf_state(checkpoints[1])], version=1)
+        check_logprobs(checkpoints[1], engine)
+    finally:
+        engine.shutdown()
 
 
 def test_update_weights_from_distributed(checkpoints, engine):
