@@ -102,11 +102,12 @@ def test_each_rank_gets_a_payload_on_its_own_device():
     bucket = [("w", torch.ones(2, 3)), ("b", torch.ones(4, dtype=torch.bfloat16))]
     client = RecordingClient()
     send_flattened_bucket(client, bucket, num_ranks=2, serializer=describe, rank_devices=["cpu", "meta"])
-    assert [payloads for payloads, *_ in client.calls] == [["cpu:6", "meta:6"], ["cpu:4", "meta:4"]]  # one per dtype
+    # one request per bucket, its bytes flattened: 6 float32 (24 bytes) + 4 bfloat16 (8 bytes)
+    assert [payloads for payloads, *_ in client.calls] == [["cpu:32", "meta:32"]]
     assert {(load_format, flush) for _, load_format, flush in client.calls} == {("flattened_bucket", False)}
     client = RecordingClient()  # without: every rank reads the one copy
     send_flattened_bucket(client, bucket, num_ranks=3, serializer=describe)
-    assert [payloads for payloads, *_ in client.calls] == [["cpu:6"] * 3, ["cpu:4"] * 3]
+    assert [payloads for payloads, *_ in client.calls] == [["cpu:32"] * 3]
     with pytest.raises(ValueError, match=r"one device per rank \(2\)"):
         send_flattened_bucket(client, bucket, num_ranks=2, serializer=describe, rank_devices=["cpu"])
 

@@ -6,11 +6,17 @@ trainer does it (Ray workers, placement colocated), next to the device's own cop
 The model is the ~0.5B Qwen2-class one of gpu_train_step.py (bf16). Transports: CUDA IPC (the engine maps the
 actor's flattened bucket and copies device to device) and, for comparison, the Ray object store (host copies).
 Reports GB/s of each sync and of a device-to-device copy of the same bytes (target: IPC sync >= 40% of it).
+
+Where `sglang` is installed, the same checkpoint's tensors (on this process's GPU) are then loaded into a real
+SGLang server by SGLang's two roads as megarl drives them: `update_weights_from_tensor` with SGLang's
+flattened-bucket IPC payload (the colocated `ipc` transport) and a flattened broadcast through
+`update_weights_from_distributed` (the split `nccl` transport; over gloo here, as one GPU cannot hold two NCCL ranks).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import tempfile
@@ -33,6 +39,47 @@ def device_copy_gbps(worker, num_bytes: int, reps: int) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return num_bytes / statistics.median(times) / 1e9
+
+
+def sglang_roads(folder: Path, reps: int, bucket_bytes: int) -> dict:
+    """Median seconds and GB/s of loading the checkpoint into a real SGLang server by each of megarl's SGLang roads."""
+    from safetensors.torch import load_file
+
+    from megarl.bridge.buckets import BucketBuilder
+    from megarl.rollout.config import SGLangEngineConfig
+    from megarl.rollout.sglang_engine import SGLangEngine
+    from megarl.rollout.sglang_weights import SGLangWeightSender
+
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors |= {name: t.cuda() for name, t in load_file(str(file)).items()}
+    builder = BucketBuilder(bucket_bytes)
+    buckets = [b for name, t in tensors.items() if (b := builder.add(name, t))] + [builder.flush()]
+    num_bytes = sum(t.nbytes for t in tensors.values())
+    engine = SGLangEngine(folder, SGLangEngineConfig(mem_fraction_static=0.3), log_path=folder.parent / "sglang.log")
+    out = {}
+    try:
+        for road in ("sglang_ipc", "sglang_broadcast_gloo"):
+            seconds = []
+            for version in range(1, reps + 2):
+                start = time.perf_counter()
+                if road == "sglang_ipc":
+                    engine.update_weights(buckets, version)
+                else:
+                    with SGLangWeightSender([engine.endpoint], master_address="127.0.0.1", backend="gloo") as sender:
+                        engine.begin_weight_update(version)
+                        start = time.perf_counter()  # the group's set-up is once per run, not per sync
+                        sender.send(buckets)
+                        engine.finish_weight_update(version)
+                if version > 1:
+                    seconds.append(time.perf_counter() - start)
+            median = statistics.median(seconds)
+            out[road] = {"seconds": median, "gb_per_s": num_bytes / median / 1e9, "bytes": num_bytes}
+        norms = [(name, t) for name, t in tensors.items() if "norm" in name]
+        out["sglang_verified"] = engine.verify_weights(norms) == []
+    finally:
+        engine.shutdown()
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -92,6 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             pool.remove()
             stop_ray()
+        if importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("sgl_kernel") is not None:
+            result |= sglang_roads(folder, args.reps, args.bucket_mb << 20)
     result["ipc_fraction_of_copy"] = result["cuda_ipc"]["gb_per_s"] / result["device_copy_gb_per_s"]
     print(
         f"refit {result['cuda_ipc']['bytes'] / 1e9:.2f} GB: CUDA IPC {result['cuda_ipc']['seconds']:.3f} s "
@@ -99,6 +148,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"{result['device_copy_gb_per_s']:.0f} GB/s; target 40%), "
         f"object store {result['object_store']['seconds']:.3f} s"
     )
+    for road in ("sglang_ipc", "sglang_broadcast_gloo"):
+        if road in result:
+            print(f"SGLang {road}: {result[road]['seconds']:.3f} s ({result[road]['gb_per_s']:.1f} GB/s)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return result
