@@ -175,3 +175,9 @@ def test_ipc_road_needs_the_engine_on_this_ranks_gpu():
     assert _roads(SyncRoute("object_store", engines)) == ["object_store", "object_store"]
     # no GPU here: no engine shares this rank's GPU, both take the object store
     assert _roads(SyncRoute("ipc", engines)) == ["object_store", "object_store"]
+
+
+def test_the_sending_side_starts_no_ray_of_its_own():
+    import ray
+
+    assert not ray.is_initialized()  # the tests above sent over nccl only: no Ray call, no Ray instance

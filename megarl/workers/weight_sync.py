@@ -172,6 +172,8 @@ def _connect_sender(route: SyncRoute):
 
 
 def _wait(calls: list) -> None:
+    if not calls:  # (ray.get([]) would start a Ray instance in a process that has none)
+        return
     import ray
 
     ray.get(calls)
