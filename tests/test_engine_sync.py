@@ -65,7 +65,9 @@ def test_verification_runs_after_the_syncs_it_is_asked_for(verify, verified):
         rollout.calls.clear()
         metrics = sync()
         steps = [m for m in methods(rollout) if m in ("begin_weight_update", "finish_weight_update", "verify_weights")]
-        assert steps == ["begin_weight_update", "finish_weight_update"] + ["verify_weights"] * verified.pop(0)
+        checked = verified.pop(0)
+        assert steps == ["begin_weight_update", "finish_weight_update"] + ["verify_weights"] * checked
+        assert metrics["sync/verified_tensors"] == (1.0 if checked else 0.0)
     assert metrics["sync/weight_version"] == 3.0
 
 

@@ -46,8 +46,9 @@ class WeightSync:
         received = rollout.call("finish_weight_update", version)
         self.num_syncs += 1
         verify = self.rollout.verify_sync
+        verified = 0
         if verify == "every" or (verify == "first" and self.num_syncs == 1):
-            self._verify([item for s in sent for item in s["samples"]], version)
+            verified = self._verify([item for s in sent for item in s["samples"]], version)
         self.state.weight_version = version
         return {
             "sync/bytes": sum(s["bytes"] for s in sent),
@@ -55,6 +56,7 @@ class WeightSync:
             "sync/engine_seconds": max(r.seconds for r in received),
             "sync/weight_version": float(version),
             "sync/ipc_engines": max(s["ipc_engines"] for s in sent),
+            "sync/verified_tensors": float(verified),
         }
 
     def _route(self):
@@ -69,8 +71,9 @@ class WeightSync:
         log.info("weight sync: %s into %d engine(s)", self.transport, len(engines))
         return SyncRoute(self.transport, engines, timeout_s=self.rollout.sglang.control_timeout_s)
 
-    def _verify(self, samples: list, version: int) -> None:
-        """Every engine holds exactly the sampled tensors the trainer sent, or the run stops naming them."""
+    def _verify(self, samples: list, version: int) -> int:
+        """Every engine holds exactly the sampled tensors the trainer sent, or the run stops naming them. Returns
+        how many tensors were compared on each engine."""
         problems = self.roles.rollout.call("verify_weights", samples)
         bad = [f"engine {i}: {line}" for i, lines in enumerate(problems) for line in lines]
         if bad:
@@ -80,3 +83,4 @@ class WeightSync:
                 "(rollout.verify_sync=never skips this check)."
             )
         log.info("weight sync verified on %d tensor(s) x %d engine(s)", len(samples), len(problems))
+        return len(samples)
