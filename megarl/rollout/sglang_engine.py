@@ -35,8 +35,13 @@ exceeds it; a prefix that already fills it comes back at once with finish_reason
 
 **Weight updates** (begin / apply buckets / finish, see sglang_weights): pause generation (SGLangEngineConfig.
 pause_mode), open SGLang's weight-update session (/begin_weight_update, absent on older SGLang), load the buckets
-(colocated: update_weights_from_tensor from this process; split: an SGLangWeightSender on the trainer broadcasts,
-and apply_bucket is not used), close the session, set the version, flush the radix cache, continue generation.
+(from this process by update_weights_from_tensor, or sent by the trainer's ranks directly: workers/weight_sync.py),
+close the session, set the version, flush the radix cache (always), continue generation. A server started on dummy
+weights, or left with a partial update (a refused bucket, a sync abandoned by the trainer), refuses to generate
+until an update completes; `verify_weights` compares SGLang's own checksums with the tensors sent.
+
+**Context window.** SGLang fails a whole batch when one item does not fit its context window; every item is fitted
+before it is sent (build_generate_payload: max_new_tokens clamped, items with no room left out and counted).
 
 **GPUs.** An engine launched with `gpu_ids` (a tp > 1 engine: the rollout worker sees all of its node's GPUs and
 gets its engine's ids from the driver) runs its server on exactly those GPUs; the colocated transport then puts
