@@ -175,6 +175,15 @@ class JobConfig:
     def needs_ref(self) -> bool:
         return bool(self.rl_stages) and self.algorithm.needs_ref()
 
+    def weight_sync_transport(self) -> str:
+        """rollout.weight_sync resolved for this job's placement and actor layout (megarl/rollout/transports.py)."""
+        from megarl.rollout.transports import resolve_weight_sync
+
+        parallel = self.actor.model.parallel
+        return resolve_weight_sync(
+            self.rollout.weight_sync, self.rollout.backend, self.placement.mode, parallel.pp, parallel.ep
+        )
+
     def check(self, key: str) -> None:
         if "ppo" in self.run.stages and not self.algorithm.needs_critic():
             raise UserError(
@@ -197,12 +206,7 @@ class JobConfig:
                 "time on different GPUs"
             )
         if self.rl_stages:
-            from megarl.rollout.transports import resolve_weight_sync
-
-            parallel = self.actor.model.parallel
-            resolve_weight_sync(
-                self.rollout.weight_sync, self.rollout.backend, self.placement.mode, parallel.pp, parallel.ep
-            )
+            self.weight_sync_transport()  # a choice the placement or layout rules out is refused here
         if self.placement.mode == "split" and self.placement.rollout_gpus % self.rollout.gpus_per_engine:
             raise UserError(
                 f"placement.rollout_gpus={self.placement.rollout_gpus} is not a multiple of "

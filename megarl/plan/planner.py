@@ -33,7 +33,6 @@ from megarl.plan.report import PlanReport, RoleReport, gb
 from megarl.plan.rollout import SGLANG_RUNTIME_GB, EngineMemory, engine_memory
 from megarl.plan.sync import estimate_sync
 from megarl.rollout.sglang_launch import engine_launches
-from megarl.rollout.transports import resolve_weight_sync
 from megarl.workers.config import OptimizerSettings
 
 PROCESS_GB = 1.0
@@ -91,13 +90,7 @@ def run_plan(config: JobConfig, config_path: str = "") -> PlanReport:
             config.plan.inter_node_gbps,
             config.rollout.bucket_bytes,
             config.rollout.sglang.tp,
-            resolve_weight_sync(
-                config.rollout.weight_sync,
-                config.rollout.backend,
-                config.placement.mode,
-                memories["actor"].layout.pp,
-                memories["actor"].layout.ep,
-            ),
+            config.weight_sync_transport(),
         )
     launches = []
     if engine is not None:

@@ -221,8 +221,13 @@ class SGLangClient:
         """POST /update_weights_from_distributed: the server receives the tensors by a broadcast from rank 0 of the
         group, in the order given (load_format "flattened_bucket": all of them as one flat byte tensor). Returns once
         all are received and loaded."""
-        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name}
-        body["flush_cache"] = flush_cache
+        body = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
         if load_format is not None:
             body["load_format"] = load_format
         self.control("/update_weights_from_distributed", body)

@@ -172,6 +172,14 @@ def bucket_label(bucket: Bucket) -> str:
     return first if len(bucket) == 1 else f"{first} (+{len(bucket) - 1} more)"
 
 
+def _config_json(model_path: str | os.PathLike) -> dict[str, Any] | None:
+    """The model folder's config.json, None when it cannot be read (the server reports that itself)."""
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 CONTEXT_LENGTH_KEYS = (
     "max_sequence_length",
     "seq_length",
@@ -187,9 +195,8 @@ def context_length_of(model_path: str | os.PathLike) -> int | None:
     CONTEXT_LENGTH_KEYS in config.json, times the RoPE scaling factor unless the scaling names its original length
     (YaRN) or is llama3's; 2048 without any (the contract tests compare with SGLang's own function). None when
     config.json cannot be read: requests are then sent as they are."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
+    config = _config_json(model_path)
+    if config is None:
         return None
     config = config.get("text_config", config)
     scaling = config.get("rope_scaling") or {}
@@ -210,10 +217,7 @@ def served_dtype(config: SGLangEngineConfig, model_path: str | os.PathLike) -> t
     (sglang 0.5.23, model_config._get_and_verify_dtype)."""
     if config.dtype != "auto":
         return getattr(torch, _DTYPES[config.dtype])
-    try:
-        raw = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        raw = {}
+    raw = _config_json(model_path) or {}
     name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     dtype = getattr(torch, str(name).removeprefix("torch."), torch.float32)
     return torch.float16 if dtype == torch.float32 else dtype
@@ -408,7 +412,12 @@ class SGLangEngine(RolloutEngine):
 
     def abandon_weight_update(self, reason: str) -> None:
         """The trainer gave up on an update after some buckets may have landed: stop serving, close the session."""
-        self.not_serving = f"a weight update was abandoned ({reason}); it holds mixed weights"
+        self._quarantine(f"a weight update was abandoned ({reason})")
+
+    def _quarantine(self, why: str) -> None:
+        """The server may hold a mix of old and new weights: refuse to generate until a complete update, and close
+        its weight-update session (a failure there must not hide the error that led here)."""
+        self.not_serving = f"{why}; it holds mixed weights"
         if self._sessions:
             with contextlib.suppress(Exception):
                 self.client.end_weight_update()
@@ -485,10 +494,7 @@ class SGLangEngine(RolloutEngine):
         try:
             yield
         except Exception as e:
-            self.not_serving = f"a weight update failed at bucket {bucket_label(bucket)}; it holds mixed weights"
-            if self._sessions:
-                with contextlib.suppress(Exception):  # closing the session must not hide the real error
-                    self.client.end_weight_update()
+            self._quarantine(f"a weight update failed at bucket {bucket_label(bucket)}")
             raise SGLangError(
                 f"SGLang {self.url} refused weight bucket {bucket_label(bucket)}: {e}. The engine now refuses to "
                 f"generate until a complete weight update succeeds",

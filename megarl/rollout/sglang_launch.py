@@ -5,8 +5,8 @@ GPUs as planned here, the host address and the model folder resolved on the node
 always load dummy weights: the trainer pushes the real ones with its first sync, before any generation (a megarl
 checkpoint's hf/ folder has no weights to load, and reading a 671B checkpoint twice would cost minutes).
 
-Ports: engine k of a node listens on `rollout.sglang.port + k`; an engine across nodes meets at its node 0 on
-`port + PORT_SPAN + k` (SGLang's --dist-init-addr).
+Ports: engine k of a node listens on `rollout.sglang.port + k`; an engine across nodes (whole nodes, so k = 0) meets
+at its node 0 on `port + PORT_SPAN` (SGLang's --dist-init-addr).
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ PORT_SPAN = 100
 """Ports from rollout.sglang.port to port + PORT_SPAN - 1 serve HTTP, the next PORT_SPAN the multi-node rendezvous."""
 NODE0_ADDRESS = "$ENGINE_NODE0_ADDRESS"
 """Stands for the address of an engine's first node in printed plans (known once the nodes are allocated)."""
+
+
+def engine_port(rollout: RolloutConfig, first_gpu_on_node: int) -> int:
+    """The HTTP port of the engine whose first GPU is `first_gpu_on_node` (its node's numbering)."""
+    return rollout.sglang.port + first_gpu_on_node // rollout.gpus_per_engine
 
 
 @dataclass(frozen=True)
@@ -68,14 +73,13 @@ def engine_launches(
     launches = []
     for engine in range(num_engines):
         first = first_gpu + engine * gpe
-        local_index = (first % gpus_per_node) // gpe if nodes_per_engine == 1 else 0
-        port = sglang.port + local_index
+        port = engine_port(rollout, first % gpus_per_node)  # an engine across nodes starts at GPU 0: the first port
         for node_rank in range(nodes_per_engine):
             node = first // gpus_per_node + node_rank
             place = NodePlace(
                 nodes_per_engine,
                 node_rank,
-                f"{node0_address}:{sglang.port + PORT_SPAN + local_index}" if nodes_per_engine > 1 else None,
+                f"{node0_address}:{port + PORT_SPAN}" if nodes_per_engine > 1 else None,
             )
             local_first = first % gpus_per_node
             command = build_server_command(

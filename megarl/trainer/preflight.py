@@ -99,12 +99,17 @@ def preflight(config: JobConfig, check_memory: bool = True) -> None:
         )
 
 
-def _check_memory(config: JobConfig) -> None:
-    """The planner's verdict (megarl plan) for GPU runs: refuse a job that will not fit before any GPU is taken.
-    CPU runs (the hf engine without CUDA) have no GPU memory to plan."""
+def plans_memory(config: JobConfig) -> bool:
+    """Does the planner's memory verdict decide whether the job starts? For GPU runs with plan.check_memory; CPU
+    runs (the hf engine without CUDA) have no GPU memory to plan."""
     import torch
 
-    if not config.plan.check_memory or not (torch.cuda.is_available() or config.rollout.backend == "sglang"):
+    return config.plan.check_memory and (torch.cuda.is_available() or config.rollout.backend == "sglang")
+
+
+def _check_memory(config: JobConfig) -> None:
+    """The planner's verdict (megarl plan) for GPU runs: refuse a job that will not fit before any GPU is taken."""
+    if not plans_memory(config):
         return
     from megarl.plan import run_plan
 

@@ -32,11 +32,7 @@ def train(config: JobConfig) -> int:
     preflight(config)
     run_dir = Path(config.run.dir)
     checkpoints = RunCheckpoints(run_dir, config.checkpoint.keep)
-    latest = checkpoints.latest()
-    if latest is not None and config.run.resume == "never":
-        raise UserError(f"{run_dir} already has checkpoints; use another run.dir, or run.resume=auto to continue")
-    if latest is not None:
-        TrainerState.load(latest)  # a damaged trainer state is reported before anything is written
+    _check_resume(config, checkpoints)
     ensure_model(config.model.path, config.model.init)
     tokenizer, data = _read_data(config)  # every row checked before the run folder or any process exists
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -77,16 +73,11 @@ def dry_run(config: JobConfig) -> int:
     does not fit (other problems raise UserError: exit 2)."""
     from megarl.config.dump import to_yaml
     from megarl.plan import run_plan
-    from megarl.trainer.preflight import preflight
+    from megarl.trainer.preflight import plans_memory, preflight
 
     preflight(config, check_memory=False)
-    checkpoints = RunCheckpoints(Path(config.run.dir), config.checkpoint.keep)
-    latest = checkpoints.latest()
-    if latest is not None and config.run.resume == "never":
-        raise UserError(f"{config.run.dir} already has checkpoints; use another run.dir, or run.resume=auto")
+    latest = _check_resume(config, RunCheckpoints(Path(config.run.dir), config.checkpoint.keep))
     resume = f"resume from {latest}" if latest is not None else "start fresh"
-    if latest is not None:
-        TrainerState.load(latest)
     if Path(config.model.path).exists():
         _read_data(config)  # every row of every file, with the model's tokenizer
         data_note = "every data row checked"
@@ -96,8 +87,19 @@ def dry_run(config: JobConfig) -> int:
     print("resolved config\n" + "\n".join(f"  {line}" for line in to_yaml(config).splitlines()))
     print(report.render().split("\n", 1)[1])  # the plan without its title line
     print(f"\ndry run: {data_note}; the run would {resume} in {config.run.dir}; nothing was started")
-    checks_memory = config.plan.check_memory and report.launches
-    return 0 if report.fits or not checks_memory else 1
+    return 0 if report.fits or not plans_memory(config) else 1
+
+
+def _check_resume(config: JobConfig, checkpoints: RunCheckpoints) -> Path | None:
+    """The checkpoint a run would resume from (None: it starts fresh), refusing what it cannot resume."""
+    latest = checkpoints.latest()
+    if latest is not None and config.run.resume == "never":
+        raise UserError(
+            f"{config.run.dir} already has checkpoints; use another run.dir, or run.resume=auto to continue"
+        )
+    if latest is not None:
+        TrainerState.load(latest)  # a damaged trainer state is reported before anything is written
+    return latest
 
 
 def _read_data(config: JobConfig):
@@ -122,7 +124,6 @@ def _start(
     from megarl.cluster.orphans import kill_leftover_processes, record_local_processes
     from megarl.cluster.ray_runtime import start_ray, stop_ray
     from megarl.rewards.runner import RewardRunner
-    from megarl.rollout.transports import resolve_weight_sync
     from megarl.trainer.checkpointer import Checkpointer
     from megarl.trainer.engine_sync import WeightSync
     from megarl.trainer.evaluation import Evaluator
@@ -156,14 +157,7 @@ def _start(
         console_every=config.logging.console_every,
     )
     stack.callback(progress.close)
-    transport = resolve_weight_sync(
-        config.rollout.weight_sync,
-        config.rollout.backend,
-        config.placement.mode,
-        config.actor.model.parallel.pp,
-        config.actor.model.parallel.ep,
-    )
-    sync = WeightSync(roles, state, config.rollout, transport)
+    sync = WeightSync(roles, state, config.rollout, config.weight_sync_transport())
     handover = Handover(roles, config.placement.offload, resync=lambda: sync(new_version=False))
     trained = {"actor": roles.actor, "critic": roles.critic}
     if "rm" in config.run.stages:

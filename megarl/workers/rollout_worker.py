@@ -59,13 +59,12 @@ def sglang_launch_kwargs(config: RolloutConfig, gpu_ids: Sequence[str] | None) -
     first sync, reached by other nodes at this node's address."""
     import ray
 
-    from megarl.rollout.sglang_launch import LISTEN_HOST
+    from megarl.rollout.sglang_launch import LISTEN_HOST, engine_port
 
     ids = list(gpu_ids) if gpu_ids else [str(i) for i in ray.get_gpu_ids()]
-    local_index = min(int(i) for i in ids) // config.gpus_per_engine if ids else 0
     return {
         "host": LISTEN_HOST,
-        "port": config.sglang.port + local_index,
+        "port": engine_port(config, min(int(i) for i in ids) if ids else 0),
         "load_format": "dummy",
         "advertise_host": ray.util.get_node_ip_address(),
     }
