@@ -41,6 +41,13 @@ def _add_convert(commands) -> None:
     convert.add_argument("--tp", type=int, default=1, help="tensor-parallel size the checkpoint is written for")
     convert.add_argument("--pp", type=int, default=1, help="pipeline-parallel size the checkpoint is written for")
     convert.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per stage")
+    for edge in ("first", "last"):
+        convert.add_argument(
+            f"--pp-{edge}-stage-layers",
+            type=int,
+            default=None,
+            help=f"decoder layers of the {edge} pipeline stage when uneven (default: an even split)",
+        )
     convert.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     convert.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
     convert.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="weights dtype (default: the source's)")
@@ -62,7 +69,15 @@ def _run_convert(args: argparse.Namespace) -> int:
     if direction == ("hf", "mcore"):
         from converters.hf_to_mcore import convert_hf_to_mcore
 
-        parallel = ParallelConfig(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
+        parallel = ParallelConfig(
+            tp=args.tp,
+            pp=args.pp,
+            vpp=args.vpp,
+            ep=args.ep,
+            etp=args.etp,
+            pp_first_stage_layers=args.pp_first_stage_layers,
+            pp_last_stage_layers=args.pp_last_stage_layers,
+        )
         parallel.check("--")  # names the flags: "--vpp=2 needs pipeline parallelism (--pp > 1)"
         report = convert_hf_to_mcore(
             args.src, args.dst, parallel, dtype, args.vocab_multiple, args.overwrite, not args.no_progress
@@ -70,8 +85,9 @@ def _run_convert(args: argparse.Namespace) -> int:
     elif direction == ("mcore", "hf"):
         from converters.mcore_to_hf import convert_mcore_to_hf
 
-        if (args.tp, args.pp, args.vpp, args.ep, args.etp) != (1, 1, 1, 1, None):
-            print("megarl: note: --tp/--pp/--vpp/--ep/--etp have no effect with --to hf", file=sys.stderr)
+        layout = (args.tp, args.pp, args.vpp, args.ep, args.etp, args.pp_first_stage_layers, args.pp_last_stage_layers)
+        if layout != (1, 1, 1, 1, None, None, None):
+            print("megarl: note: layout flags (--tp, --pp, ...) have no effect with --to hf", file=sys.stderr)
         max_shard = parse_size(args.max_shard_size, "--max-shard-size")
         report = convert_mcore_to_hf(
             args.src, args.dst, dtype, max_shard, overwrite=args.overwrite, show_progress=not args.no_progress

@@ -82,7 +82,7 @@ def test_unsupported_settings_are_refused(name, overrides, message):
             ParallelConfig(pp=3),
             r"pp=3 x vpp=1 does not divide num_hidden_layers=4 into equal stages; valid pp with vpp=1: 1, 2, 4",
         ),
-        (ParallelConfig(pp=4, vpp=2), r"valid pp with vpp=2: 1, 2$"),
+        (ParallelConfig(pp=4, vpp=2), r"valid pp with vpp=2: 1, 2, or give the first/last stage fewer layers"),
     ],
 )
 def test_impossible_layouts_name_the_valid_values(parallel, message):

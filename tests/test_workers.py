@@ -168,7 +168,9 @@ def test_reward_model_learns_a_preference_and_keeps_pairs_together(ranks4, hf_ch
     assert 0 <= results[0][3]["accuracy"] <= 1
 
 
-def test_checkpoint_saved_at_tp2_resumes_at_pp2(ranks4, ranks1, hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("resumed_at", [(1, 2, 1), ParallelConfig(pp=2, pp_first_stage_layers=1)], ids=layout_id)
+def test_checkpoint_saved_at_tp2_resumes_at_pp2(ranks4, ranks1, hf_checkpoint, tmp_path, resumed_at):
+    """Resumed at another layout (even or uneven pipeline stages), the run continues with the same numbers."""
     folder = str(hf_checkpoint("tiny-qwen3"))
     batch = random_batch(8, vocab_size=1000, seed=5)
     weights = loss_weights("token-mean", batch["response_mask"])
@@ -177,7 +179,7 @@ def test_checkpoint_saved_at_tp2_resumes_at_pp2(ranks4, ranks1, hf_checkpoint, t
     straight = ranks4.run(train_and_save, folder, (2, 1, 1), batch, weights, str(tmp_path / "straight"), 3)[0]
     # interrupted after two steps, resumed at PP=2 (and saved again there)
     first = ranks4.run(train_and_save, folder, (2, 1, 1), batch, weights, str(saved), 2)[0]
-    loss, _, num_steps = ranks4.run(resume_and_train, folder, (1, 2, 1), batch, weights, str(saved), str(resaved))[0]
+    loss, _, num_steps = ranks4.run(resume_and_train, folder, resumed_at, batch, weights, str(saved), str(resaved))[0]
     assert first == pytest.approx(straight[:2], abs=1e-7)
     assert loss == pytest.approx(straight[2], abs=1e-6)
     assert num_steps == 3

@@ -155,7 +155,7 @@ def save_model(
             vocab_size=model.vocab.size,
             padded_vocab_size=model.vocab.padded_size,
             params_dtype=dtype_name(model.chunks[0].config.params_dtype),
-            layout=current_layout(),
+            layout=current_layout(model.chunks[0].config),
             source=model.origin,
         ).save(tmp)
     dist.barrier()
@@ -171,8 +171,9 @@ def save_model(
     return folder
 
 
-def current_layout() -> dict[str, int]:
-    """The layout of Megatron's parallel state now, as checkpoints record it."""
+def current_layout(config) -> dict[str, int]:
+    """The layout of Megatron's parallel state now and of the model built with TransformerConfig `config` (its
+    pipeline stages), as checkpoints record it."""
     from megatron.core import parallel_state as ps
 
     return ParallelConfig(
@@ -181,4 +182,6 @@ def current_layout() -> dict[str, int]:
         vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
         ep=ps.get_expert_model_parallel_world_size(),
         etp=ps.get_expert_tensor_parallel_world_size() if ps.get_expert_model_parallel_world_size() > 1 else None,
+        pp_first_stage_layers=config.num_layers_in_first_pipeline_stage,
+        pp_last_stage_layers=config.num_layers_in_last_pipeline_stage,
     ).layout_dict()

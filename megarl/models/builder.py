@@ -45,6 +45,7 @@ def build_transformer_config(
     kwargs = dict(
         spec.config_kwargs,
         **parallel.megatron_sizes(),
+        **parallel.megatron_stage_kwargs(),
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,

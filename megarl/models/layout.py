@@ -37,10 +37,4 @@ def check_parallel_layout(arch: Architecture, hf_config, parallel: ParallelConfi
         _check_divides(etp, f"{prefix}etp", {arch.moe.expert_ffn_key: int(getattr(hf_config, arch.moe.expert_ffn_key))})
     elif parallel.ep > 1:
         raise UserError(f"{prefix}ep={parallel.ep} needs a mixture-of-experts model; {arch.name} is dense: use 1")
-    layers = hf_config.num_hidden_layers
-    if layers % (parallel.pp * parallel.vpp):
-        valid_pp = [p for p in _divisors(layers) if layers % (p * parallel.vpp) == 0]
-        raise UserError(
-            f"{prefix}pp={parallel.pp} x {prefix}vpp={parallel.vpp} does not divide num_hidden_layers={layers} "
-            f"into equal stages; valid {prefix}pp with vpp={parallel.vpp}: {', '.join(map(str, valid_pp)) or 'none'}"
-        )
+    parallel.stages.check(hf_config.num_hidden_layers, prefix)

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.plan.model_size import ModelShape, stage_layers
+from megarl.plan.model_size import ModelShape
+from megarl.runtime.stages import StageLayout
 
 ACTIVATION_BYTES = 2
 """bf16 activations."""
@@ -53,6 +54,12 @@ class ActivationLayout:
     cp: int
     sequence_parallel: bool
     recompute: bool
+    first: int | None = None
+    last: int | None = None
+
+    @property
+    def stages(self) -> StageLayout:
+        return StageLayout(self.pp, self.vpp, self.first, self.last)
 
 
 def layer_elements_per_token(shape: ModelShape, layer: int, lay: ActivationLayout) -> float:
@@ -89,7 +96,7 @@ def train_activation_bytes(
 ) -> float:
     """Peak activation bytes of pipeline stage `stage` during a training step with micro-batches of `tokens`."""
     local_tokens = tokens / lay.cp
-    layers = stage_layers(shape.num_layers, lay.pp, lay.vpp, stage)
+    layers = lay.stages.stage_layers(shape.num_layers, stage)
     per_layer = [layer_elements_per_token(shape, i, lay) * local_tokens * ACTIVATION_BYTES for i in layers]
     in_flight = _micro_batches_in_flight(lay.pp, lay.vpp, stage)
     s = lay.tp if lay.sequence_parallel else 1
@@ -108,7 +115,7 @@ def forward_activation_bytes(
 ) -> float:
     """Peak activation bytes of a forward-only pass (no gradients kept): one layer at a time, plus the logits."""
     local_tokens = tokens / lay.cp
-    layers = stage_layers(shape.num_layers, lay.pp, lay.vpp, stage)
+    layers = lay.stages.stage_layers(shape.num_layers, stage)
     total = max(layer_elements_per_token(shape, i, lay) for i in layers) * local_tokens * ACTIVATION_BYTES
     if stage == lay.pp - 1 and lm_head:
         total += logits_bytes(int(local_tokens), padded_vocab, lay.tp)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from megarl.errors import UserError
 from megarl.plan.activations import ActivationLayout, forward_activation_bytes, train_activation_bytes
 from megarl.plan.model_size import ModelShape, StageParams, dtype_bytes, stage_params
+from megarl.runtime.stages import StageLayout
 from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings
 
 GRAD_BYTES = 4
@@ -43,6 +44,14 @@ class RoleLayout:
     cp: int
     sequence_parallel: bool
     world: int
+    first: int | None = None
+    """Layers of an uneven first pipeline stage (None: even stages)."""
+    last: int | None = None
+    """Layers of an uneven last pipeline stage."""
+
+    @property
+    def stages(self) -> StageLayout:
+        return StageLayout(self.pp, self.vpp, self.first, self.last)
 
     @property
     def dp(self) -> int:
@@ -54,6 +63,8 @@ class RoleLayout:
 
     def describe(self, moe: bool) -> str:
         axes = [f"tp {self.tp}", f"pp {self.pp}", f"vpp {self.vpp}"]
+        if self.first is not None or self.last is not None:
+            axes[1] += f" (first {self.first or 'even'}, last {self.last or 'even'} layers)"
         if moe:
             axes += [f"ep {self.ep}", f"etp {self.etp}"]
         axes += [f"cp {self.cp}", f"dp {self.dp}"]
@@ -83,7 +94,18 @@ def resolve_layout(settings: ModelSettings, world: int, key: str, shape: ModelSh
             f"{prefix}ep x etp x pp = {par.ep} x {etp} x {par.pp} = {par.ep * etp * par.pp} does not divide the "
             f"role's {world} GPUs (placement.train_gpus): the expert layout must tile them"
         )
-    return RoleLayout(par.tp, par.pp, par.vpp, par.ep, etp, par.cp, par.sequence_parallel, world)
+    return RoleLayout(
+        par.tp,
+        par.pp,
+        par.vpp,
+        par.ep,
+        etp,
+        par.cp,
+        par.sequence_parallel,
+        world,
+        par.pp_first_stage_layers,
+        par.pp_last_stage_layers,
+    )
 
 
 @dataclass(frozen=True)
@@ -150,6 +172,8 @@ def role_memory(
         layout.cp,
         layout.sequence_parallel,
         recompute=settings.recompute and trainable,
+        first=layout.first,
+        last=layout.last,
     )
     padded = shape.padded_vocab(settings.vocab_multiple, layout.tp)
     lm = head == "lm"
@@ -164,6 +188,8 @@ def role_memory(
             ep=layout.ep,
             etp=layout.etp,
             stage=stage,
+            first=layout.first,
+            last=layout.last,
             vocab_multiple=settings.vocab_multiple,
             head=head,
         )

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megarl.errors import UserError
+from megarl.runtime.stages import StageLayout
 
 Split = Literal["tp", "replicated", "expert"]
 
@@ -293,12 +294,6 @@ class StageParams:
         return self.dense + self.expert
 
 
-def stage_layers(num_layers: int, pp: int, vpp: int, stage: int) -> list[int]:
-    """Global layer ids of pipeline stage `stage` (all its virtual chunks): Megatron's even split."""
-    per_chunk = num_layers // (pp * vpp)
-    return [chunk * pp * per_chunk + stage * per_chunk + i for chunk in range(vpp) for i in range(per_chunk)]
-
-
 def stage_params(
     shape: ModelShape,
     *,
@@ -308,12 +303,15 @@ def stage_params(
     ep: int = 1,
     etp: int = 1,
     stage: int = 0,
+    first: int | None = None,
+    last: int | None = None,
     vocab_multiple: int = 128,
     head: str = "lm",
 ) -> StageParams:
-    """Parameters one rank of pipeline stage `stage` holds at this layout (TP=PP=EP=1: the whole model)."""
+    """Parameters one rank of pipeline stage `stage` holds at this layout (TP=PP=EP=1: the whole model); first/last:
+    the layers of uneven first/last stages (ParallelConfig.pp_first_stage_layers/pp_last_stage_layers)."""
     dense = expert = 0
-    for layer in stage_layers(shape.num_layers, pp, vpp, stage):
+    for layer in StageLayout(pp, vpp, first, last).stage_layers(shape.num_layers, stage):
         for spec in shape.layers[layer]:
             count = spec.per_rank(tp, ep, etp)
             if spec.split == "expert":

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megarl.plan.memory import RoleLayout
-from megarl.plan.model_size import ModelShape, hf_numel, stage_layers
+from megarl.plan.model_size import ModelShape, hf_numel
 from megarl.plan.placement import Placement
 
 HOST_GBPS = 10.0
@@ -74,7 +74,7 @@ def estimate_sync(
     intra, inter = intra_gbps * 1e9, inter_gbps * 1e9
     gpn = placement.gpus_per_node
     for stage in range(layout.pp):
-        dense, expert = hf_numel(shape, layers=stage_layers(shape.num_layers, layout.pp, layout.vpp, stage))
+        dense, expert = hf_numel(shape, layers=layout.stages.stage_layers(shape.num_layers, stage))
         dense += extra if layout.pp == 1 else (extra / 2 if stage in (0, layout.pp - 1) else 0)
         shares.append((dense + expert / layout.ep) * nbytes)
         tp_bw = intra if layout.tp <= gpn else inter

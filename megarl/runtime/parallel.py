@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megarl.errors import UserError
+from megarl.runtime.stages import StageLayout
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,12 @@ class ParallelConfig:
     """Pipeline-parallel size: the layers are split into this many stages."""
     vpp: int = 1
     """Virtual pipeline chunks per pipeline stage (interleaved schedule); 1 means no interleaving."""
+    pp_first_stage_layers: int | None = None
+    """Decoder layers of the first pipeline stage when it should hold fewer (it also holds the embedding); the
+    other stages share the rest evenly. null: an even split. Megatron's `decoder_first_pipeline_num_layers`."""
+    pp_last_stage_layers: int | None = None
+    """Decoder layers of the last pipeline stage (it also holds the output layer and loss); null: an even split.
+    Megatron's `decoder_last_pipeline_num_layers`."""
     ep: int = 1
     """Expert-parallel size (MoE models): the experts are split across this many ranks."""
     etp: int | None = None
@@ -43,6 +50,9 @@ class ParallelConfig:
                 raise UserError(f"{_name(key, axis)}={getattr(self, axis)} must be >= 1")
         if self.etp is not None and self.etp < 1:
             raise UserError(f"{_name(key, 'etp')}={self.etp} must be >= 1 (or unset: the same as tp)")
+        if (self.pp_first_stage_layers is not None or self.pp_last_stage_layers is not None) and self.pp == 1:
+            first, last = _name(key, "pp_first_stage_layers"), _name(key, "pp_last_stage_layers")
+            raise UserError(f"{first}/{last} need pipeline parallelism ({_name(key, 'pp')} > 1)")
         if self.vpp > 1 and self.pp == 1:
             raise UserError(f"{_name(key, 'vpp')}={self.vpp} needs pipeline parallelism ({_name(key, 'pp')} > 1)")
         if self.sequence_parallel and self.tp == 1:
@@ -58,6 +68,18 @@ class ParallelConfig:
         """The virtual pipeline size as Megatron-Core spells it (None when not interleaved)."""
         return self.vpp if self.vpp > 1 else None
 
+    @property
+    def stages(self) -> StageLayout:
+        """Which layers each pipeline stage holds (megarl.runtime.stages)."""
+        return StageLayout(self.pp, self.vpp, self.pp_first_stage_layers, self.pp_last_stage_layers)
+
+    def megatron_stage_kwargs(self) -> dict[str, int | None]:
+        """The uneven-stage fields of Megatron's TransformerConfig."""
+        return dict(
+            num_layers_in_first_pipeline_stage=self.pp_first_stage_layers,
+            num_layers_in_last_pipeline_stage=self.pp_last_stage_layers,
+        )
+
     def megatron_sizes(self) -> dict[str, int | None]:
         """The sizes under Megatron-Core's names, which `initialize_model_parallel` and `TransformerConfig` share."""
         return dict(
@@ -72,6 +94,10 @@ class ParallelConfig:
     def layout_dict(self) -> dict[str, int]:
         """The layout as recorded in checkpoints: the axes that are split (expert axes only when used)."""
         layout = {"tp": self.tp, "pp": self.pp, "vpp": self.vpp}
+        if self.pp_first_stage_layers is not None:
+            layout["pp_first_stage_layers"] = self.pp_first_stage_layers
+        if self.pp_last_stage_layers is not None:
+            layout["pp_last_stage_layers"] = self.pp_last_stage_layers
         if self.ep > 1 or self.etp is not None:
             layout.update(ep=self.ep, etp=self.etp if self.etp is not None else self.tp)
         return layout
@@ -79,4 +105,4 @@ class ParallelConfig:
 
 def _name(key: str, axis: str) -> str:
     """`key.axis`, or `--axis` for the command-line key "--"."""
-    return f"{key}{axis}" if key.endswith("-") else f"{key}.{axis}"
+    return f"{key}{axis.replace('_', '-')}" if key.endswith("-") else f"{key}.{axis}"

@@ -80,21 +80,22 @@ def load_role(model: RoleModel, folder: str | Path, load_optimizer: bool = True,
             raise FileNotFoundError(f"{folder / OPTIMIZER_DIR} holds no optimizer state to resume from")
         sharded = model.optimizer.sharded_state_dict(model_sharded_state_dict(model.loaded.chunks), is_loading=True)
         model.optimizer.load_sharded_state_dict(dist_checkpointing.load(sharded, str(folder / OPTIMIZER_DIR)))
-    if info.layout == _current_layout() and (folder / RNG_DIR / "metadata.json").is_file():
+    now = _current_layout(model.loaded.chunks[0].config)
+    if info.layout == now and (folder / RNG_DIR / "metadata.json").is_file():
         loaded = dist_checkpointing.load({"rng_state": _rng_sharded_object()}, str(folder / RNG_DIR))
         _set_rng_state(loaded["rng_state"])
     else:
         warnings.warn(
-            f"{folder} was saved at layout {info.layout}, now {_current_layout()}: RNG streams are reseeded, "
+            f"{folder} was saved at layout {info.layout}, now {now}: RNG streams are reseeded, "
             "weights and optimizer state are restored exactly",
             stacklevel=2,
         )
 
 
-def _current_layout() -> dict[str, int]:
+def _current_layout(config) -> dict[str, int]:
     from megarl.checkpoint.model_io import current_layout
 
-    return current_layout()
+    return current_layout(config)
 
 
 def _rng_state() -> dict:
