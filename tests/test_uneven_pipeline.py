@@ -42,11 +42,8 @@ def llama8(tmp_path_factory):
 def llama8_uneven(ranks1, llama8, tmp_path_factory):
     """The 8-layer model converted with the convert CLI for pp=4 with one layer on the first and last stage."""
     dst = tmp_path_factory.mktemp("llama8-mcore") / "mcore"
-    ranks1.run(
-        main,
-        ["convert", "--from", "hf", "--to", "mcore", str(llama8), str(dst), "--pp", "4"]
-        + ["--pp-first-stage-layers", "1", "--pp-last-stage-layers", "1", "--no-progress"],
-    )
+    stages = ["--pp", "4", "--pp-first-stage-layers", "1", "--pp-last-stage-layers", "1"]
+    ranks1.run(main, ["convert", "--from", "hf", "--to", "mcore", str(llama8), str(dst), *stages, "--no-progress"])
     return dst
 
 
