@@ -67,12 +67,12 @@ def convert_hf_to_mcore(
     if vocab_multiple < 1:
         raise UserError(f"--vocab-multiple={vocab_multiple} must be a positive integer (Megatron's default: 128)")
     dst = check_destination(dst, overwrite, sources=(src,))
-    checkpoint = HFCheckpoint(src)
+    dtype = dtype or config_dtype(hf_config)
+    checkpoint = HFCheckpoint(src, dequantize_to=dtype)  # FP8 checkpoints read dequantized (megarl.bridge.fp8)
     derived = [name for name in checkpoint.names if arch.is_derived(name)]
     carried = [name for name in checkpoint.names if arch.is_mtp(name, hf_config)]
     checkpoint.names = [name for name in checkpoint.names if name not in derived and name not in carried]
-    notes = _notes(derived, carried)
-    dtype = dtype or config_dtype(hf_config)
+    notes = _notes(derived, carried, checkpoint)
     vocab = VocabInfo(hf_config.vocab_size, pad_vocab_size(hf_config.vocab_size, vocab_multiple, parallel.tp))
 
     with single_process_megatron():
@@ -99,13 +99,21 @@ def convert_hf_to_mcore(
                 params_dtype=dtype_name(dtype),
                 layout=parallel.layout_dict(),
                 source=str(src.resolve()),
+                quantization=checkpoint.quantization.config if checkpoint.quantization else None,
             ).save(tmp)
     total = sum(spec.nbytes for spec in checkpoint.specs()) + sum(checkpoint.spec(name).nbytes for name in carried)
     return ConversionReport(len(checkpoint.names) + len(carried), total, time.monotonic() - start, dst, notes)
 
 
-def _notes(derived: list[str], carried: list[str]) -> tuple[str, ...]:
+def _notes(derived: list[str], carried: list[str], checkpoint: HFCheckpoint) -> tuple[str, ...]:
     notes = []
+    if checkpoint.quantization is not None:
+        dtype = checkpoint.spec(checkpoint.quantized_names[0]).dtype if checkpoint.quantized_names else None
+        notes.append(
+            f"dequantized {len(checkpoint.quantized_names)} block-wise FP8 weights (weight_block_size "
+            f"{list(checkpoint.quantization.block)}) to {dtype_name(dtype) if dtype else 'nothing'}; the FP8 format is "
+            "recorded for rollout (rollout.weights_format)"
+        )
     if derived:
         notes.append(f"skipped {len(derived)} tensors recomputed from config.json (e.g. {derived[0]})")
     if carried:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from megarl.bridge.fp8 import SCALE_SUFFIX, BlockFP8, dequantize
 from megarl.errors import UserError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -78,9 +79,13 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
 
 
 class HFCheckpoint:
-    """The weights of a HF model folder (`model.safetensors` or a sharded set with its index), read lazily."""
+    """The weights of a HF model folder (`model.safetensors` or a sharded set with its index), read lazily.
 
-    def __init__(self, folder: str | Path):
+    A block-wise FP8 checkpoint (config.json's quantization_config, megarl.bridge.fp8) reads as its dequantized
+    weights in `dequantize_to`: its `*_scale_inv` tensors are consumed, not listed. raw=True reads what is stored.
+    """
+
+    def __init__(self, folder: str | Path, dequantize_to: torch.dtype = torch.bfloat16, raw: bool = False):
         self.folder = Path(folder)
         weight_map = self._weight_map()
         self._specs: dict[str, TensorSpec] = {}
@@ -98,6 +103,37 @@ class HFCheckpoint:
         if missing:
             raise UserError(f"{self.folder / INDEX_FILE} lists tensors missing from their files: {missing[:5]}")
         self.names: list[str] = list(weight_map) if self._has_index else list(self._specs)
+        self._stored = dict(self._specs)
+        self._scale_of: dict[str, str] = {}
+        self.quantization = None if raw else BlockFP8.of_folder(self.folder)
+        if self.quantization is not None:
+            self._read_as_dequantized(dequantize_to)
+
+    def _read_as_dequantized(self, dtype: torch.dtype) -> None:
+        """List each quantized weight as its dequantized self and hide the scales; bad pairs are named now."""
+        scales = [name for name in self.names if name.endswith(SCALE_SUFFIX)]
+        for scale in scales:
+            weight = scale.removesuffix(SCALE_SUFFIX)
+            if weight not in self._specs:
+                raise UserError(f"{self.folder}: {scale} has no weight {weight} to scale")
+            stored, expected = self._specs[weight], self.quantization.scale_shape(self._specs[weight].shape)
+            if stored.dtype != torch.float8_e4m3fn or self._specs[scale].shape != expected:
+                raise UserError(
+                    f"{self.folder}: {weight} ({stored.dtype}, {stored.shape}) with {scale} of shape "
+                    f"{self._specs[scale].shape}: expected a float8_e4m3fn weight and a scale of shape {expected} "
+                    f"(weight_block_size {list(self.quantization.block)})"
+                )
+            self._scale_of[weight] = scale
+            self._specs[weight] = TensorSpec(weight, dtype, stored.shape)
+        unscaled = [n for n in self.names if self._specs[n].dtype == torch.float8_e4m3fn and n not in self._scale_of]
+        if unscaled:
+            raise UserError(f"{self.folder}: FP8 tensors without a {SCALE_SUFFIX} tensor: {unscaled[:5]}")
+        self.names = [name for name in self.names if not name.endswith(SCALE_SUFFIX)]
+
+    @property
+    def quantized_names(self) -> list[str]:
+        """The weights stored in FP8 (listed dequantized), in checkpoint order."""
+        return [name for name in self.names if name in self._scale_of]
 
     def _weight_map(self) -> dict[str, str]:
         index = self.folder / INDEX_FILE
@@ -125,10 +161,16 @@ class HFCheckpoint:
         return [self._specs[name] for name in self.names]
 
     def get(self, name: str) -> torch.Tensor:
-        """One tensor, read from its file into fresh memory."""
+        """One tensor, read from its file into fresh memory (dequantized if it is stored in FP8)."""
+        scale = self._scale_of.get(name)
+        if scale is not None:
+            return dequantize(self._read(name), self._read(scale), self.quantization.block, self._specs[name].dtype)
+        return self._read(name)
+
+    def _read(self, name: str) -> torch.Tensor:
         if name not in self._file_of:
             raise UserError(f"{self.folder} has no tensor named {name!r}")
-        spec = self._specs[name]
+        spec = self._stored[name]
         data = torch.empty(spec.nbytes, dtype=torch.uint8)
         with (self.folder / self._file_of[name]).open("rb") as f:
             f.seek(self._offset_of[name])

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from megarl.bridge.fp8 import strip_quantization
 from megarl.bridge.safetensors_io import HFCheckpoint
 from megarl.checkpoint.model_dir import EXTRA_DIR, HF_DIR, hf_side_files, write_hf_tensors
 
@@ -69,4 +70,8 @@ class CarriedFiles:
 
 
 def _read_side_files(hf_dir: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in hf_side_files(hf_dir)}
+    """The side files by name; config.json without a quantization_config (megarl's weights are dequantized)."""
+    files = {path.name: path.read_bytes() for path in hf_side_files(hf_dir)}
+    if "config.json" in files:
+        files["config.json"] = strip_quantization(files["config.json"])
+    return files

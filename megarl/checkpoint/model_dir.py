@@ -19,6 +19,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megarl.bridge.fp8 import strip_quantization
 from megarl.bridge.mappings import VocabInfo
 from megarl.bridge.safetensors_io import HFCheckpoint, ShardedSafetensorsWriter, TensorSpec
 from megarl.errors import UserError
@@ -55,6 +56,8 @@ class ModelCheckpointInfo:
     params_dtype: str
     layout: dict[str, int] = field(default_factory=dict)
     source: str = ""
+    quantization: dict | None = None
+    """quantization_config of the FP8 HF checkpoint the weights came from (held dequantized here)."""
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -126,6 +129,8 @@ def copy_hf_side_files(src: Path, dst: Path) -> list[str]:
     files = hf_side_files(src)
     for path in files:
         shutil.copy2(path, dst / path.name)
+        if path.name == "config.json":  # the weights megarl writes are never quantized
+            (dst / path.name).write_bytes(strip_quantization(path.read_bytes()))
     return [path.name for path in files]
 
 

@@ -60,6 +60,9 @@ class LoadedModel:
     """The source HF checkpoint's tensors (name, dtype, shape): what an export must reproduce."""
     head: Head = "lm"
     """The output head: language model logits, or a scalar value head (critics, reward models)."""
+    quantization: dict | None = None
+    """The quantization_config of the FP8 checkpoint the weights first came from (they are held dequantized):
+    the format rollout engines get by default (rollout.weights_format)."""
 
     @property
     def hf_dtypes(self) -> dict[str, torch.dtype]:
@@ -93,6 +96,7 @@ def load_model(
         model.hf_specs = load_manifest(path) or []
         model.origin = info.source or str(path)
         model.carried = CarriedFiles.from_checkpoint(path)
+        model.quantization = info.quantization
         return model
     read_config_json(path)
 
@@ -107,6 +111,7 @@ def load_model(
         spec for spec in checkpoint.specs() if not arch.is_mtp(spec.name, hf_config) and not arch.is_derived(spec.name)
     ]
     model.carried = CarriedFiles.from_hf_folder(path, [n for n in checkpoint.names if arch.is_mtp(n, hf_config)])
+    model.quantization = checkpoint.quantization.config if checkpoint.quantization else None
     return model
 
 
@@ -157,6 +162,7 @@ def save_model(
             params_dtype=dtype_name(model.chunks[0].config.params_dtype),
             layout=current_layout(model.chunks[0].config),
             source=model.origin,
+            quantization=model.quantization,
         ).save(tmp)
     dist.barrier()
     save_model_weights(model.chunks, tmp / MODEL_DIR)
