@@ -172,3 +172,26 @@ def hf_routing(folder: Path, input_ids: torch.Tensor) -> dict[int, torch.Tensor]
     with torch.no_grad():
         model(input_ids)
     return maps
+
+
+def buckets_a_sync_sends(path: str, layout, quantization: dict | None):
+    """Load at `layout` in bf16 and run this rank's side of a weight sync (send_weights) with `quantization`,
+    recording the buckets instead of sending them: (buckets, send_weights' stats)."""
+    import megarl.workers.weight_sync as weight_sync
+    from megarl.checkpoint.model_io import load_model
+    from megarl.runtime.distributed import init_model_parallel
+
+    parallel = as_parallel(layout)
+    init_model_parallel(parallel)
+    model = load_model(path, parallel, torch.bfloat16)
+    sent = []
+
+    def record(bucket, route, roads, state):
+        sent.append([(name, tensor.clone()) for name, tensor in bucket])
+        return [], None
+
+    weight_sync._send_bucket = record  # this rank process only: the sending side up to the transport
+    route = weight_sync.SyncRoute("object_store", (), quantization=quantization)
+    stats = weight_sync.send_weights(model, route, 1, 2**16, weight_sync.SenderState())
+    stats.pop("samples")
+    return sent, stats

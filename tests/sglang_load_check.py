@@ -1,12 +1,14 @@
 """Load a HF checkpoint's tensors into SGLang's own model class on CPU, one weight-sync bucket per `load_weights`
 call, and report what SGLang did not take. Run as a script (its own process: SGLang sets process-wide state):
 
-    python tests/sglang_load_check.py MODEL_DIR [--one-by-one]
+    python tests/sglang_load_check.py MODEL_DIR [--one-by-one] [--fp8]
 
 Prints one JSON line: {"params": N, "no_effect": [names whose load changed no parameter],
 "unwritten": [SGLang parameters no tensor wrote]}. Buckets are formed as megarl's weight sync forms them at a 1-byte
 budget (every tensor alone, except the groups an engine fuses at load time: Architecture.load_groups);
---one-by-one loads every tensor alone instead (what SGLang sees when the groups are ignored).
+--one-by-one loads every tensor alone instead (what SGLang sees when the groups are ignored). --fp8 builds the model
+with SGLang's own Fp8Config of DeepSeek-V3's quantization_config (8 x 8 blocks) and loads each bucket as megarl's
+sender makes it for rollout.weights_format=fp8 (megarl.bridge.fp8.quantize_bucket).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ OFFICIAL_DEEPSEEK_V3_KEYS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "sc
 define: the tiny checkpoints (saved from that class) lack them."""
 
 
-def build_sglang_model(model_dir: str):
+def build_sglang_model(model_dir: str, quantization: dict | None = None):
     import torch
     from transformers import AutoConfig
 
@@ -57,7 +59,12 @@ def build_sglang_model(model_dir: str):
                 setattr(config, key, value)
     model_cls, _ = ModelRegistry.resolve_model_cls(config.architectures)
     torch.set_default_dtype(torch.float32)
-    return model_cls(config)
+    if quantization is None:
+        return model_cls(config)
+    from sglang.srt.layers.quantization import get_quantization_config
+
+    config.quantization_config = quantization
+    return model_cls(config, quant_config=get_quantization_config("fp8").from_config(quantization))
 
 
 def buckets_of(model_dir: str, tensors: dict, one_by_one: bool) -> list[list[tuple[str, object]]]:
@@ -75,29 +82,49 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file
 
-    model_dir, one_by_one = sys.argv[1], "--one-by-one" in sys.argv
-    model = build_sglang_model(model_dir)
+    from megarl.bridge.fp8 import DEEPSEEK_QUANTIZATION, BlockFP8, quantize_bucket
+
+    model_dir, one_by_one, fp8 = sys.argv[1], "--one-by-one" in sys.argv, "--fp8" in sys.argv
+    # SGLang's block-FP8 layers need every projection's width divisible by the block: the tiny models' widths are
+    # multiples of 8 (DeepSeek-V3's of 128), so the check quantizes in 8 x 8 blocks
+    quantization = dict(DEEPSEEK_QUANTIZATION, weight_block_size=[8, 8])
+    model = build_sglang_model(model_dir, quantization if fp8 else None)
     params = dict(model.named_parameters())
     tensors = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         tensors.update(load_file(file))
-    marker = float("nan")
+    marker = 0xA5  # every byte of every parameter, FP8 ones included; no loaded tensor is all 0xA5 bytes
     with torch.no_grad():
         for param in params.values():
-            param.fill_(marker)
+            param.reshape(-1).view(torch.uint8).fill_(marker)
 
     def snapshot() -> dict[str, torch.Tensor]:
-        return {name: torch.nan_to_num(p.detach(), nan=12345.0).clone() for name, p in params.items()}
+        return {name: p.detach().reshape(-1).view(torch.uint8).clone() for name, p in params.items()}
 
-    no_effect = []
-    for bucket in buckets_of(model_dir, tensors, one_by_one):
+    no_effect, dtypes = [], {}
+    buckets = buckets_of(model_dir, tensors, one_by_one)
+    if fp8:
+        buckets = [quantize_bucket(bucket, BlockFP8.from_config(quantization, "test")) for bucket in buckets]
+    for bucket in buckets:
+        dtypes.update({name: str(t.dtype) for name, t in bucket})
         before = snapshot()
         model.load_weights(iter(bucket))
         after = snapshot()
         if all(torch.equal(before[n], after[n]) for n in params):
             no_effect += [name for name, _ in bucket]
-    unwritten = [name for name, p in params.items() if torch.isnan(p).any()]
-    print(json.dumps({"params": len(params), "no_effect": sorted(no_effect), "unwritten": sorted(unwritten)}))
+    unwritten = [name for name, p in params.items() if (p.detach().reshape(-1).view(torch.uint8) == marker).all()]
+    fp8_params = sorted(name for name, p in params.items() if p.dtype == torch.float8_e4m3fn)
+    print(
+        json.dumps(
+            {
+                "params": len(params),
+                "no_effect": sorted(no_effect),
+                "unwritten": sorted(unwritten),
+                "fp8_params": fp8_params,
+                "sent_dtypes": dtypes,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

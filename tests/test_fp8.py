@@ -13,12 +13,12 @@ import torch
 from helpers import hf_logits, megatron_logits, one_result, sample_ids
 from safetensors.torch import save_file
 
-from megarl.bridge.fp8 import QUANTIZED_LINEAR, BlockFP8, dequantize, quantize, quantize_bucket
+from megarl.bridge.fp8 import DEEPSEEK_QUANTIZATION, QUANTIZED_LINEAR, BlockFP8, dequantize, quantize, quantize_bucket
 from megarl.bridge.safetensors_io import SINGLE_FILE, HFCheckpoint
 from megarl.cli import main
 from megarl.errors import UserError
 from megarl.runtime.parallel import ParallelConfig as P
-from megarl.testing.fp8_checkpoint import DEEPSEEK_QUANTIZATION, make_tiny_fp8_deepseek
+from megarl.testing.fp8_checkpoint import make_tiny_fp8_deepseek
 
 
 def reference_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -193,3 +193,59 @@ def _weights_then_scales(raw: HFCheckpoint) -> list[str]:
             if name + "_scale_inv" in raw:
                 order.append(name + "_scale_inv")
     return order
+
+
+def test_an_fp8_sync_from_an_expert_parallel_actor_sends_the_fp8_checkpoint(ranks4, fp8_deepseek):
+    """The sending ranks of a bf16 actor (ep=2: each EP rank quantizes its own experts) send together exactly the
+    tensors of the FP8 checkpoint the run started from, names, shapes and dtypes, in half the bytes of bf16."""
+    from helpers import buckets_a_sync_sends
+
+    raw = HFCheckpoint(fp8_deepseek, raw=True)
+    quantization = HFCheckpoint(fp8_deepseek).quantization.config
+    fp8_results = ranks4.run(buckets_a_sync_sends, str(fp8_deepseek), P(ep=2), quantization)
+    sent = [item for buckets, _ in fp8_results for bucket in buckets for item in bucket]
+    names = [name for name, _ in sent]
+    assert sorted(names) == sorted(raw.names) and len(set(names)) == len(names)  # MTP layers aside: none here
+    for name, tensor in sent:
+        assert (tensor.dtype, tuple(tensor.shape)) == (raw.spec(name).dtype, raw.spec(name).shape), name
+    for buckets, _ in fp8_results:  # a scale travels in its weight's bucket
+        for bucket in buckets:
+            in_bucket = {name for name, _ in bucket}
+            assert all(n.removesuffix("_scale_inv") in in_bucket for n in in_bucket if n.endswith("_scale_inv"))
+    bf16_results = ranks4.run(buckets_a_sync_sends, str(fp8_deepseek), P(ep=2), None)
+    fp8_bytes = sum(stats["bytes"] for _, stats in fp8_results)
+    bf16_bytes = sum(stats["bytes"] for _, stats in bf16_results)
+    quantized = sum(raw.spec(n).nbytes for n in raw.names if raw.spec(n).dtype == torch.float8_e4m3fn)
+    assert bf16_bytes - fp8_bytes == quantized - sum(raw.spec(n).nbytes for n in raw.names if n.endswith("_inv"))
+
+
+def test_rollout_serves_the_format_the_run_started_from(ranks1, fp8_deepseek, hf_checkpoint, tmp_path):
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.weights_format import rollout_quantization
+
+    mcore = tmp_path / "mcore"  # a megarl checkpoint converted from the FP8 one remembers its format
+    ranks1.run(main, ["convert", "--from", "hf", "--to", "mcore", str(fp8_deepseek), str(mcore), "--no-progress"])
+    sglang = RolloutConfig(backend="sglang", weights_format="auto")
+    assert rollout_quantization(sglang, fp8_deepseek) == DEEPSEEK_QUANTIZATION
+    assert rollout_quantization(sglang, mcore) == DEEPSEEK_QUANTIZATION
+    assert rollout_quantization(sglang, hf_checkpoint("tiny-deepseek-v3")) is None
+    assert rollout_quantization(RolloutConfig(backend="sglang", weights_format="bf16"), mcore) is None
+    # fp8 asked of a bf16 start: DeepSeek's own 128 x 128 blocks
+    fp8 = RolloutConfig(backend="sglang", weights_format="fp8")
+    assert rollout_quantization(fp8, hf_checkpoint("tiny-deepseek-v3")) == DEEPSEEK_QUANTIZATION
+    assert rollout_quantization(RolloutConfig(backend="hf"), mcore) is None  # the CPU engine computes in hf.dtype
+    with pytest.raises(UserError, match=r"^rollout.weights_format=fp8 needs rollout.backend=sglang"):
+        RolloutConfig(backend="hf", weights_format="fp8").check("rollout")
+
+
+def test_an_fp8_rollout_launch_command_carries_the_quantization(fp8_deepseek, tmp_path):
+    from megarl.rollout.config import RolloutConfig
+    from megarl.rollout.sglang_launch import engine_launches
+
+    rollout = RolloutConfig(backend="sglang", weights_format="auto")
+    (launch,) = engine_launches(rollout, fp8_deepseek, num_engines=1, first_gpu=0, gpus_per_node=8)
+    flag = launch.command.index("--json-model-override-args")
+    assert json.loads(launch.command[flag + 1]) == {"quantization_config": DEEPSEEK_QUANTIZATION}
+    rollout.weights_format = "bf16"
+    (launch,) = engine_launches(rollout, fp8_deepseek, num_engines=1, first_gpu=0, gpus_per_node=8)
+    assert "--json-model-override-args" not in launch.command

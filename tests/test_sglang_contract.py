@@ -78,6 +78,22 @@ def test_sglang_parses_every_flag_megarl_sets(config, nodes):
         assert parsed.chunked_prefill_size == 8192 and parsed.disable_radix_cache
 
 
+def test_sglang_serves_fp8_from_the_launch_command_of_rollout_weights_format_fp8(hf_checkpoint):
+    # the engine's folder describes bf16 weights (a megarl checkpoint's hf/config.json); the launch command gives
+    # SGLang the quantization the synced weights arrive in, merged with the user's own config overrides
+    from megarl.bridge.fp8 import DEEPSEEK_QUANTIZATION
+
+    folder = str(hf_checkpoint("tiny-deepseek-v3"))
+    config = SGLangEngineConfig(extra_args={"json_model_override_args": '{"max_position_embeddings": 512}'})
+    args = build_server_args(config, folder, host="0.0.0.0", port=30001, quantization=DEEPSEEK_QUANTIZATION)
+    parsed, printed = parse_server_args(args)
+    assert "deprecated" not in printed.lower(), printed
+    model_config = sglang_contract.sglang_module("sglang.srt.configs.model_config").ModelConfig.from_server_args(parsed)
+    assert model_config.quantization == "fp8"
+    assert model_config.hf_config.quantization_config == DEEPSEEK_QUANTIZATION
+    assert model_config.hf_config.max_position_embeddings == 512
+
+
 # ---- request bodies ------------------------------------------------------------------------------------------------
 
 
@@ -204,6 +220,22 @@ def test_deepseek_fused_projections_load_only_together(sglang_checkpoint):
     result = sglang_load_check(sglang_checkpoint("tiny-deepseek-v3"), "--one-by-one")
     assert result["unwritten"] == [f"model.layers.{i}.self_attn.fused_qkv_a_proj_with_mqa.weight" for i in range(4)]
     assert len(result["no_effect"]) == 8 and all("_a_proj" in n for n in result["no_effect"])
+
+
+def test_sglang_fp8_model_loads_every_tensor_of_megarls_fp8_buckets(sglang_checkpoint):
+    # rollout.weights_format=fp8: SGLang's DeepseekV2 built with its own Fp8Config (block-wise, as DeepSeek-V3's
+    # checkpoint declares) takes every FP8 weight and weight_scale_inv megarl's sender makes, fused groups included;
+    # only the attention's KV-cache scales stay SGLang's own (DeepSeek-V3's checkpoint has none either)
+    result = sglang_load_check(sglang_checkpoint("tiny-deepseek-v3"), "--fp8")
+    assert result["no_effect"] == []
+    kv_scales = [f"model.layers.{i}.self_attn.attn_{a}.{kv}_scale" for i in range(4) for a in ("mha", "mqa")
+                 for kv in ("k", "v")]  # fmt: skip
+    assert result["unwritten"] == sorted(kv_scales)
+    assert len(result["fp8_params"]) == 30  # SGLang's fused FP8 projections and expert stacks of the 4 layers
+    sent = result["sent_dtypes"]
+    assert sent["model.layers.1.mlp.experts.7.down_proj.weight"] == "torch.float8_e4m3fn"
+    assert sent["model.layers.1.mlp.experts.7.down_proj.weight_scale_inv"] == "torch.float32"
+    assert sent["model.layers.1.mlp.gate.weight"] == sent["lm_head.weight"] == "torch.float32"  # as trained
 
 
 def test_sglang_cannot_serve_qwen3_moe_dense_layers(sglang_checkpoint):

@@ -26,6 +26,13 @@ QUANTIZED_LINEAR = re.compile(r"\.(self_attn|mlp)\.(.+\.)?\w*_proj\w*\.weight$")
 """The weights FP8 checkpoints (DeepSeek-V3/R1, Qwen3-FP8) quantize: the linear projections of attention and MLP
 blocks, routed and shared experts included; not embeddings, output head, norms, the router's gate or its bias."""
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+DEEPSEEK_QUANTIZATION = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+"""quantization_config of deepseek-ai/DeepSeek-V3's config.json, as published."""
 SUPPORTED = "quant_method 'fp8' with weight_block_size (block-wise e4m3, DeepSeek-V3/R1's format)"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -167,6 +168,12 @@ class SGLangEngineConfig:
         for name in ("startup_timeout_s", "request_timeout_s", "control_timeout_s", "health_timeout_s"):
             if getattr(self, name) <= 0:
                 raise UserError(f"{key}.{name}={getattr(self, name)} must be > 0")
+        override = self.extra_args.get("json_model_override_args")
+        if override:
+            try:
+                json.loads(override)
+            except ValueError as err:
+                raise UserError(f"{key}.extra_args.json_model_override_args is not valid JSON ({err})") from err
         for name in self.extra_args:
             flag = name.replace("-", "_").lstrip("_")
             if flag in MANAGED_ARGS:
@@ -194,6 +201,10 @@ class RolloutConfig:
     `nccl` (SGLang engines on other GPUs: a broadcast group set up once), `object_store` (host copies through Ray's
     object store: CPU, and the fallback); `auto` picks ipc when colocated on GPUs, nccl when split with SGLang,
     object_store otherwise."""
+    weights_format: Literal["auto", "bf16", "fp8"] = "auto"
+    """The weights the engines serve: `fp8` (block-wise 128x128 e4m3 with weight_scale_inv, as DeepSeek-V3/R1
+    publish theirs; the sending ranks quantize at every sync, training stays bf16; SGLang only), `bf16` (the training
+    weights as they are), or `auto`: the format of the checkpoint the run started from (model.path)."""
     verify_sync: Literal["first", "every", "never"] = "first"
     """Check that the engine holds the weights just sent (SGLang: checksums of a sample of tensors through its
     weights checker; a mismatch stops the run naming the tensor): after the first sync, after every sync, or
@@ -208,6 +219,13 @@ class RolloutConfig:
             raise UserError(
                 f"{key}.gpus_per_engine={self.gpus_per_engine} must equal the SGLang engine's GPUs "
                 f"({key}.sglang.tp={self.sglang.tp}): {self.sglang.num_gpus()}"
+            )
+        if self.weights_format not in ("auto", "bf16", "fp8"):
+            raise UserError(f"{key}.weights_format={self.weights_format!r}: valid are auto, bf16, fp8")
+        if self.weights_format == "fp8" and self.backend != "sglang":
+            raise UserError(
+                f"{key}.weights_format=fp8 needs {key}.backend=sglang (the hf engine computes in {key}.hf.dtype); "
+                "use auto or bf16"
             )
         if self.bucket_bytes < 2**20:
             raise UserError(f"{key}.bucket_bytes={self.bucket_bytes} must be at least 1 MiB")

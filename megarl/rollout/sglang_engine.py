@@ -348,6 +348,7 @@ class SGLangEngine(RolloutEngine):
         ipc_device: torch.device | str | None = None,
         load_format: str | None = None,
         advertise_host: str | None = None,
+        quantization: dict | None = None,
     ) -> None:
         self.model_path = str(model_path)
         self.config = config
@@ -384,7 +385,14 @@ class SGLangEngine(RolloutEngine):
             port = port or find_free_port(host)
             url = url_of(host, port)
             self.server = SGLangServer(
-                build_server_command(config, self.model_path, host=host, port=port, load_format=self.load_format),
+                build_server_command(
+                    config,
+                    self.model_path,
+                    host=host,
+                    port=port,
+                    load_format=self.load_format,
+                    quantization=quantization,
+                ),
                 url,
                 env=build_server_env(config, gpu_ids),
                 log_path=log_path,

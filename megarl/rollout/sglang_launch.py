@@ -66,7 +66,10 @@ def engine_launches(
 ) -> list[EngineLaunch]:
     """Every server process of every engine, in engine order then node rank. Engines tile the rollout GPUs from
     cluster GPU `first_gpu` on (placement.rollout_first_gpu)."""
+    from megarl.rollout.weights_format import rollout_quantization
+
     sglang = rollout.sglang
+    quantization = rollout_quantization(rollout, model_path)
     gpe = rollout.gpus_per_engine
     nodes_per_engine = max(1, gpe // gpus_per_node)
     gpus_on_node = min(gpe, gpus_per_node)
@@ -83,7 +86,13 @@ def engine_launches(
             )
             local_first = first % gpus_per_node
             command = build_server_command(
-                sglang, rollout_model_dir(model_path), host=LISTEN_HOST, port=port, load_format="dummy", node=place
+                sglang,
+                rollout_model_dir(model_path),
+                host=LISTEN_HOST,
+                port=port,
+                load_format="dummy",
+                node=place,
+                quantization=quantization,
             )
             gpus = tuple(range(local_first, local_first + gpus_on_node))
             launches.append(EngineLaunch(engine, node, node_rank, gpus, port, command))

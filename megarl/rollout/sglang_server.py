@@ -13,6 +13,7 @@ polled until `startup_timeout_s`; a process that exits meanwhile fails at once w
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -105,9 +106,12 @@ def build_server_args(
     base_gpu_id: int = 0,
     load_format: str | None = None,
     node: NodePlace = NodePlace(),
+    quantization: dict | None = None,
 ) -> list[str]:
     """The server's arguments (without the interpreter and module), in a fixed order. `load_format` "dummy" starts
-    without reading weights (random values until the first sync)."""
+    without reading weights (random values until the first sync). `quantization`: the quantization_config the
+    weights arrive in (rollout.weights_format=fp8), given to SGLang as an override of the model's config (the
+    rollout folder's config.json describes the bf16 weights megarl trains)."""
     args = ["--model-path", str(model_path), "--host", host, "--port", str(port)]
     if load_format is not None:
         args += ["--load-format", load_format]
@@ -135,7 +139,14 @@ def build_server_args(
         "--skip-server-warmup": config.skip_server_warmup,
     }
     args += [flag for flag, on in switches.items() if on]
+    overrides = json.loads(config.extra_args.get("json_model_override_args") or "{}")
+    if quantization is not None:
+        overrides["quantization_config"] = quantization
+    if overrides:
+        args += ["--json-model-override-args", json.dumps(overrides, sort_keys=True, separators=(",", ":"))]
     for name, value in config.extra_args.items():
+        if name == "json_model_override_args":
+            continue
         flag = "--" + name.strip("-").replace("_", "-")
         text = str(value).strip()
         if text.lower() in ("", "true"):
@@ -154,11 +165,19 @@ def build_server_command(
     base_gpu_id: int = 0,
     load_format: str | None = None,
     node: NodePlace = NodePlace(),
+    quantization: dict | None = None,
 ) -> list[str]:
     """`python -m sglang.launch_server ...` with `config.python` (default: this interpreter)."""
     head = [config.python or sys.executable, "-m", "sglang.launch_server"]
     return head + build_server_args(
-        config, model_path, host=host, port=port, base_gpu_id=base_gpu_id, load_format=load_format, node=node
+        config,
+        model_path,
+        host=host,
+        port=port,
+        base_gpu_id=base_gpu_id,
+        load_format=load_format,
+        node=node,
+        quantization=quantization,
     )
 
 

@@ -9,16 +9,9 @@ from pathlib import Path
 
 import torch
 
+from megarl.bridge.fp8 import DEEPSEEK_QUANTIZATION
 from megarl.bridge.safetensors_io import SINGLE_FILE, HFCheckpoint
 from megarl.testing.tiny_checkpoint import make_hf_checkpoint
-
-DEEPSEEK_QUANTIZATION = {
-    "activation_scheme": "dynamic",
-    "fmt": "e4m3",
-    "quant_method": "fp8",
-    "weight_block_size": [128, 128],
-}
-"""quantization_config of deepseek-ai/DeepSeek-V3's config.json, as published."""
 
 
 def make_fp8_checkpoint(

@@ -22,12 +22,21 @@ class WeightSync:
     """`sync()` pushes the actor's weights into every engine as the next weight version; `sync(new_version=False)`
     pushes them again at the version they have (engines that restarted or released their weights)."""
 
-    def __init__(self, roles: Roles, state: TrainerState, rollout: RolloutConfig, transport: str):
+    def __init__(
+        self,
+        roles: Roles,
+        state: TrainerState,
+        rollout: RolloutConfig,
+        transport: str,
+        quantization: dict | None = None,
+    ):
         self.roles = roles
         self.state = state
         self.rollout = rollout
         self.transport = transport
         """rollout.weight_sync resolved (megarl/rollout/transports.py)."""
+        self.quantization = quantization
+        """rollout.weights_format resolved (megarl/rollout/weights_format.py): FP8 config or None."""
         self.route = None
         """How the weights travel (a SyncRoute), asked of the engines at the first sync."""
         self.num_syncs = 0
@@ -68,8 +77,11 @@ class WeightSync:
         engines = tuple(
             EngineTarget(worker, tuple(d), endpoint) for worker, d, endpoint in zip(rollout.workers, devices, endpoints)
         )
-        log.info("weight sync: %s into %d engine(s)", self.transport, len(engines))
-        return SyncRoute(self.transport, engines, timeout_s=self.rollout.sglang.control_timeout_s)
+        fmt = "fp8" if self.quantization else "as trained"
+        log.info("weight sync: %s into %d engine(s), weights %s", self.transport, len(engines), fmt)
+        return SyncRoute(
+            self.transport, engines, timeout_s=self.rollout.sglang.control_timeout_s, quantization=self.quantization
+        )
 
     def _verify(self, samples: list, version: int) -> int:
         """Every engine holds exactly the sampled tensors the trainer sent, or the run stops naming them. Returns

@@ -124,6 +124,7 @@ def _start(
     from megarl.cluster.orphans import kill_leftover_processes, record_local_processes
     from megarl.cluster.ray_runtime import start_ray, stop_ray
     from megarl.rewards.runner import RewardRunner
+    from megarl.rollout.weights_format import rollout_quantization
     from megarl.trainer.checkpointer import Checkpointer
     from megarl.trainer.engine_sync import WeightSync
     from megarl.trainer.evaluation import Evaluator
@@ -157,7 +158,8 @@ def _start(
         console_every=config.logging.console_every,
     )
     stack.callback(progress.close)
-    sync = WeightSync(roles, state, config.rollout, config.weight_sync_transport())
+    quantization = rollout_quantization(config.rollout, config.model.path)
+    sync = WeightSync(roles, state, config.rollout, config.weight_sync_transport(), quantization)
     handover = Handover(roles, config.placement.offload, resync=lambda: sync(new_version=False))
     trained = {"actor": roles.actor, "critic": roles.critic}
     if "rm" in config.run.stages:

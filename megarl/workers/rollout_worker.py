@@ -53,13 +53,14 @@ def build_engine(
     return engine_cls(model_path, engine_config, **kwargs)
 
 
-def sglang_launch_kwargs(config: RolloutConfig, gpu_ids: Sequence[str] | None) -> dict[str, Any]:
+def sglang_launch_kwargs(config: RolloutConfig, gpu_ids: Sequence[str] | None, model_path: str) -> dict[str, Any]:
     """How the worker launches its SGLang server, as `megarl plan` prints it (megarl/rollout/sglang_launch.py):
     listening on every interface at rollout.sglang.port + the engine's index on its node, dummy weights until the
-    first sync, reached by other nodes at this node's address."""
+    first sync, reached by other nodes at this node's address, told the format the weights arrive in."""
     import ray
 
     from megarl.rollout.sglang_launch import LISTEN_HOST, engine_port
+    from megarl.rollout.weights_format import rollout_quantization
 
     ids = list(gpu_ids) if gpu_ids else [str(i) for i in ray.get_gpu_ids()]
     return {
@@ -67,6 +68,7 @@ def sglang_launch_kwargs(config: RolloutConfig, gpu_ids: Sequence[str] | None) -
         "port": engine_port(config, min(int(i) for i in ids) if ids else 0),
         "load_format": "dummy",
         "advertise_host": ray.util.get_node_ip_address(),
+        "quantization": rollout_quantization(config, model_path),
     }
 
 
@@ -92,7 +94,7 @@ class RolloutWorker(Worker):
         hf_logging.disable_progress_bar()  # one bar per engine in the driver's log says nothing
         start = time.perf_counter()
         with self._lock:
-            kwargs = sglang_launch_kwargs(config, gpu_ids) if config.backend == "sglang" else {}
+            kwargs = sglang_launch_kwargs(config, gpu_ids, model_path) if config.backend == "sglang" else {}
             self.engine = build_engine(config.backend, str(hf_config_dir(model_path)), config, gpu_ids, **kwargs)
             self._sync_start = 0.0
             self._sync_tensors = self._sync_bytes = 0

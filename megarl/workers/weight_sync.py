@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.bridge.exporter import export_hf_weights
+from megarl.bridge.fp8 import BlockFP8, quantize_bucket
 from megarl.checkpoint.model_io import LoadedModel
 from megarl.rollout.engine import VERIFY_PATTERN, Bucket
 from megarl.rollout.sglang_weights import SGLangEndpoint
@@ -54,6 +55,10 @@ class SyncRoute:
     engines: tuple[EngineTarget, ...]
     group_name: str = "megarl_weights"
     timeout_s: float = 600.0
+    quantization: dict | None = None
+    """The engines' weight format (rollout.weights_format resolved): a block-wise FP8 quantization_config makes the
+    senders quantize each bucket into the FP8 checkpoint's names, shapes and dtypes; None sends the weights as
+    they are."""
 
     @classmethod
     def to_workers(cls, workers: list, transport: str = "object_store", devices: list[list[str]] | None = None):
@@ -79,9 +84,12 @@ def send_weights(model: LoadedModel, route: SyncRoute, version: int, bucket_byte
     roads = _roads(route)
     samples: Bucket = []
     verify = re.compile(VERIFY_PATTERN)
+    fp8 = BlockFP8.from_config(route.quantization, "rollout.weights_format") if route.quantization else None
     try:
         with torch.no_grad():
             for bucket in export_hf_weights(model.bridge, model.hf_dtypes, bucket_bytes):
+                if fp8 is not None:
+                    bucket = quantize_bucket(bucket, fp8)
                 while len(in_flight) >= MAX_BUCKETS_IN_FLIGHT:
                     _wait(in_flight.popleft()[0])
                 in_flight.append(_send_bucket(bucket, route, roads, state))
