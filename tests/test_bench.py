@@ -85,3 +85,20 @@ def test_refit_benchmark_runs_at_a_tiny_size(bench_modules, tmp_path):
         assert set(row[path]["extra_memory"]) == {"actor rank 0", "actor rank 1", "engine"}
     assert row["now"]["returned"][0]["buckets"] > 1  # 64 KiB buckets: the stream is cut
     assert out.is_file()
+
+
+def test_fp8_refit_benchmark_reports_the_bytes_saved(tmp_path):
+    import json
+    import subprocess
+
+    out = tmp_path / "fp8.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "fp8_refit.py"), "--tiny", "--reps", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    # every quantized weight travels as FP8 plus its scale: more tensors, fewer bytes
+    assert rows["fp8"]["tensors"] > rows["bf16"]["tensors"] and result["bytes_ratio"] < 0.75
+    assert "FP8 sends" in done.stdout
