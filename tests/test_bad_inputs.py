@@ -46,7 +46,6 @@ rl: {{num_steps: 2, prompts_per_step: 4}}
 
 TRAIN = ["train", "--config", "{cfg}"]
 
-ENGINE_OF_4_ON_NODES_OF_2 = ["rollout.gpus_per_engine=4", "cluster.gpus_per_node=2"]
 
 CASES = [
     # -- the command line and the config file --------------------------------------------------------------------
@@ -100,9 +99,9 @@ CASES = [
         ["does not divide placement.train_gpus=3", "valid train_gpus: 2, 4"],
     ),
     Case(
-        "rollout engine wider than a node",
-        [*TRAIN, "rollout.backend=sglang", "rollout.sglang.tp=4", *ENGINE_OF_4_ON_NODES_OF_2],
-        ["rollout.gpus_per_engine=4 spans nodes", "cluster.gpus_per_node=2", "not supported by megarl train yet"],
+        "rollout engine over parts of nodes",
+        [*TRAIN, "rollout.backend=sglang", "rollout.sglang.tp=3", "rollout.gpus_per_engine=3", "cluster.gpus_per_node=2"],
+        ["rollout.gpus_per_engine=3 spans nodes of cluster.gpus_per_node=2", "use a multiple of 2"],
     ),
     # -- the model -----------------------------------------------------------------------------------------------
     Case("model path missing", [*TRAIN, "model.path={dir}/nomodel"], ["model.path=", "nomodel", "does not exist"]),

@@ -38,25 +38,33 @@ def two_nodes(gpus_per_node: int) -> list[BundleGPUs]:
 # ---- which GPUs each engine gets (pure) ----------------------------------------------------------------------------
 
 
+def gpus(engines):
+    """Per engine, its GPU ids on each of its nodes."""
+    return [[ids for _, ids in nodes] for nodes in engines]
+
+
 def test_engines_take_consecutive_bundles_of_one_node():
     bundles = two_nodes(4)
-    assert assign_engine_gpus(bundles, 2) == [["0", "1"], ["2", "3"], ["0", "1"], ["2", "3"]]
-    assert assign_engine_gpus(bundles, 4) == [["0", "1", "2", "3"], ["0", "1", "2", "3"]]
-    assert assign_engine_gpus(bundles, 1) == [["0"], ["1"], ["2"], ["3"]] * 2 and len(bundles) == 8
+    assert gpus(assign_engine_gpus(bundles, 2)) == [[["0", "1"]], [["2", "3"]], [["0", "1"]], [["2", "3"]]]
+    assert gpus(assign_engine_gpus(bundles, 4)) == [[["0", "1", "2", "3"]], [["0", "1", "2", "3"]]]
+    assert gpus(assign_engine_gpus(bundles, 1)) == [[["0"]], [["1"]], [["2"]], [["3"]]] * 2 and len(bundles) == 8
     # ids as Ray gives them on a node started with CUDA_VISIBLE_DEVICES set: kept as they are
     named = [BundleGPUs("a", ("GPU-x",)), BundleGPUs("a", ("GPU-y",))]
-    assert assign_engine_gpus(named, 2) == [["GPU-x", "GPU-y"]]
+    assert gpus(assign_engine_gpus(named, 2)) == [[["GPU-x", "GPU-y"]]]
 
 
-def test_engine_spanning_nodes_is_refused_with_the_fix():
-    with pytest.raises(UserError) as info:
-        assign_engine_gpus(two_nodes(4), 8)  # the 671B layout in small: one engine over two nodes
-    message = str(info.value)
-    assert "rollout.gpus_per_engine=8: engine 0 would span nodes (its GPUs are bundles 0..7" in message
-    assert "nodes hold 4, 4 GPUs" in message and "not supported yet" in message and "valid: 1, 2, 4" in message
+def test_an_engine_larger_than_a_node_takes_whole_nodes():
+    # the 671B layout in small: one engine over two nodes; its node-rank 1 starts at bundle 4
+    assert assign_engine_gpus(two_nodes(4), 8) == [[(0, ["0", "1", "2", "3"]), (4, ["0", "1", "2", "3"])]]
+
+
+def test_an_engine_taking_parts_of_several_nodes_is_refused_with_the_fix():
     # 3 GPUs per node, 2 per engine: engine 1 (bundles 2 and 3) straddles the nodes
-    with pytest.raises(UserError, match=r"engine 1 would span nodes \(its GPUs are bundles 2..3 .* valid: 1, 3$"):
+    with pytest.raises(UserError) as info:
         assign_engine_gpus(two_nodes(3), 2)
+    message = str(info.value)
+    assert "engine 1 would take parts of several nodes (its GPUs are bundles 2..3" in message
+    assert "nodes hold 3, 3 GPUs" in message and message.endswith("valid: 1, 3, or a multiple of the node size")
 
 
 def test_engine_size_must_divide_the_rollout_gpus():
@@ -237,7 +245,7 @@ def test_strided_group_sits_on_every_gth_bundle_and_sees_its_gpus(pool4):
     assert pool4.bundle_gpu_ids() is bundles  # asked once
     assert len(bundles) == 4 and len({b.node_id for b in bundles}) == 1
     assert all(len(b.gpu_ids) == 1 for b in bundles) and len({b.gpu_ids for b in bundles}) == 4
-    engines = assign_engine_gpus(bundles, 2)
+    engines = [nodes[0][1] for nodes in assign_engine_gpus(bundles, 2)]
     driver_visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # what the node (this machine's raylet) has
 
     sees_all = {NOSET_CUDA_VISIBLE_DEVICES: "1"}

@@ -117,9 +117,9 @@ def _check_engines(result: Placement, engines_gpus: int) -> None:
             )
         else:
             result.notes.append(
-                f"each rollout engine spans {gpe // gpn} nodes: a multi-node SGLang server (--nnodes {gpe // gpn}); "
-                "its tensor-parallel traffic crosses the inter-node network. megarl train does not launch "
-                "multi-node engines yet (it stops at pre-flight)"
+                f"each rollout engine spans {gpe // gpn} nodes: a multi-node SGLang server (--nnodes {gpe // gpn}, "
+                "one process per node, started by the engine's worker on its first node); its tensor-parallel "
+                "traffic crosses the inter-node network"
             )
     elif gpn % gpe:
         result.problems.append(

@@ -69,6 +69,7 @@ from megarl.rollout.config import SamplingParams, SGLangEngineConfig
 from megarl.rollout.engine import Bucket, Completion, FinishReason, GenerateRequest, RolloutEngine, sample_seed
 from megarl.rollout.sglang_client import SGLangClient, SGLangError
 from megarl.rollout.sglang_server import (
+    NodePlace,
     SGLangServer,
     build_server_command,
     build_server_env,
@@ -349,6 +350,7 @@ class SGLangEngine(RolloutEngine):
         load_format: str | None = None,
         advertise_host: str | None = None,
         quantization: dict | None = None,
+        node: NodePlace | None = None,
     ) -> None:
         self.model_path = str(model_path)
         self.config = config
@@ -392,9 +394,10 @@ class SGLangEngine(RolloutEngine):
                     port=port,
                     load_format=self.load_format,
                     quantization=quantization,
+                    node=node or NodePlace(),
                 ),
                 url,
-                env=build_server_env(config, gpu_ids),
+                env=build_server_env(config, gpu_ids, nnodes=(node or NodePlace()).nnodes),
                 log_path=log_path,
                 startup_timeout_s=config.startup_timeout_s,
             ).start()

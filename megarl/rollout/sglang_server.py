@@ -188,17 +188,24 @@ def has_weight_files(model_path: str | os.PathLike) -> bool:
 
 
 def build_server_env(
-    config: SGLangEngineConfig, gpu_ids: Sequence[int] | None = None, base: Mapping[str, str] | None = None
+    config: SGLangEngineConfig,
+    gpu_ids: Sequence[int] | None = None,
+    base: Mapping[str, str] | None = None,
+    nnodes: int = 1,
 ) -> dict[str, str]:
-    """The server's environment: `base` (default: this process's), restricted to `gpu_ids` when given.
+    """The server's environment: `base` (default: this process's), restricted to `gpu_ids` when given (the GPUs
+    of this node: an engine on `nnodes` nodes has tp / nnodes on each).
 
     With `gpu_ids` the server sees exactly those GPUs (CUDA_VISIBLE_DEVICES) and starts from the first visible one
     (--base-gpu-id 0); without, it inherits the caller's visible devices (e.g. the ones Ray assigned).
     """
     env = dict(os.environ if base is None else base)
     if gpu_ids is not None:
-        if len(gpu_ids) != config.num_gpus():
-            raise ValueError(f"an engine with tp={config.tp} needs {config.num_gpus()} GPUs, got gpu_ids={gpu_ids}")
+        if len(gpu_ids) * nnodes != config.num_gpus():
+            raise ValueError(
+                f"an engine with tp={config.tp} on {nnodes} node(s) needs {config.num_gpus() // nnodes} GPUs per node, "
+                f"got gpu_ids={gpu_ids}"
+            )
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpu_ids)
     for name in ENV_REMOVED:
         env.pop(name, None)
@@ -251,9 +258,10 @@ class SGLangServer:
         self.process: subprocess.Popen | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------------------------
-    def start(self) -> SGLangServer:
+    def start(self, wait_ready: bool = True) -> SGLangServer:
         """Launch and wait until GET /health_generate answers 200. Raises SGLangServerError (exit code and log tail)
-        if the process exits or the deadline passes; the process group is stopped in both cases."""
+        if the process exits or the deadline passes; the process group is stopped in both cases. wait_ready=False
+        only launches (a node-rank > 0 process of a multi-node engine, which serves no HTTP)."""
         if self.process is not None:
             raise RuntimeError(f"SGLang server {self.url} already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -266,6 +274,8 @@ class SGLangServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stop() reaches the workers it spawns
             )
+        if not wait_ready:
+            return self
         try:
             self._wait_ready()
         except BaseException:

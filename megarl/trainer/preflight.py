@@ -84,11 +84,10 @@ def preflight(config: JobConfig, check_memory: bool = True) -> None:
                 f"{dp} (each rank trains on whole pairs)"
             )
     engine_gpus, node_gpus = config.rollout.gpus_per_engine, config.cluster.gpus_per_node
-    if node_gpus is not None and engine_gpus > node_gpus:
+    if node_gpus is not None and engine_gpus > node_gpus and engine_gpus % node_gpus:
         raise UserError(
-            f"rollout.gpus_per_engine={engine_gpus} spans nodes (cluster.gpus_per_node={node_gpus}): multi-node "
-            f"rollout engines (SGLang --nnodes) are not supported by megarl train yet; use an engine of at most "
-            f"{node_gpus} GPUs (`megarl plan` still sizes multi-node layouts)"
+            f"rollout.gpus_per_engine={engine_gpus} spans nodes of cluster.gpus_per_node={node_gpus} GPUs: an engine "
+            f"larger than a node takes whole nodes; use a multiple of {node_gpus}"
         )
     if check_memory:
         _check_memory(config)

@@ -6,7 +6,9 @@ get GPUs of their own (asynchronous RL needs this). Each training role is one SP
 
 A rollout engine of g = rollout.gpus_per_engine GPUs has one worker, on the first of its g consecutive bundles
 (a group with bundle stride g); that worker sees all of its node's GPUs (Ray leaves CUDA_VISIBLE_DEVICES alone) and
-starts the engine on the GPU ids of its g bundles, which the driver asks the pool for (`assign_engine_gpus`).
+starts the engine on the GPU ids of its g bundles, which the driver asks the pool for (`assign_engine_gpus`). An
+engine larger than a node takes whole nodes: its worker starts the engine's processes on the other nodes through
+one EngineNode actor per node, on that node's first bundle (megarl/workers/engine_nodes.py).
 """
 
 from __future__ import annotations
@@ -22,11 +24,9 @@ from megarl.cluster.resource_pool import BundleGPUs, ResourcePool
 from megarl.cluster.worker_group import WorkerGroup
 from megarl.config.job import JobConfig, RoleConfig
 from megarl.errors import UserError
+from megarl.workers.engine_nodes import NOSET_CUDA_VISIBLE_DEVICES, EngineNodeSlot
 from megarl.workers.megatron_worker import MegatronWorker
 from megarl.workers.rollout_worker import RolloutWorker
-
-NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
-"""Set to 1 in a worker's environment, Ray leaves its CUDA_VISIBLE_DEVICES as the node's: the worker sees every GPU."""
 
 
 @dataclass
@@ -39,7 +39,10 @@ class Roles:
     pools: list[ResourcePool]
     colocated: bool
     engine_gpu_ids: list[list[str]] | None = None
-    """GPU ids of each rollout engine (rank order) when engines have several GPUs; None: one GPU, the worker's."""
+    """GPU ids of each rollout engine (rank order) on its first node when engines have several GPUs; None: one
+    GPU, the worker's."""
+    engine_nodes: list[list[EngineNodeSlot]] | None = None
+    """Each engine's other nodes (node-rank 1, 2, ...), for engines across nodes; None: engines within a node."""
 
     def training_groups(self) -> list[WorkerGroup]:
         return [g for g in (self.actor, self.critic, self.ref, self.reward_model) if g is not None]
@@ -83,26 +86,31 @@ def _pool(name: str, num_gpus: int, cluster: ClusterConfig, cpus: float) -> Reso
     )
 
 
-def assign_engine_gpus(bundles: list[BundleGPUs], gpus_per_engine: int) -> list[list[str]]:
-    """GPU ids of each rollout engine: engine k gets those of bundles k*g .. k*g+g-1 (g = gpus_per_engine), which
-    must lie on one node. `bundles` is the rollout pool's `bundle_gpu_ids()`, in rank order."""
+def assign_engine_gpus(bundles: list[BundleGPUs], gpus_per_engine: int) -> list[list[tuple[int, list[str]]]]:
+    """Per rollout engine, per node of it (node-rank order): (the node's first bundle, its GPU ids). Engine k gets
+    bundles k*g .. k*g+g-1 (g = gpus_per_engine): part of one node, or whole nodes. `bundles` is the rollout
+    pool's `bundle_gpu_ids()`, in rank order."""
     g, num_gpus = gpus_per_engine, len(bundles)
     if g < 1 or num_gpus % g:
         valid = ", ".join(str(d) for d in range(1, num_gpus + 1) if num_gpus % d == 0)
         raise UserError(f"rollout.gpus_per_engine={g} does not divide the {num_gpus} rollout GPUs; valid: {valid}")
+    per_node = Counter(bundle.node_id for bundle in bundles)
     engines = []
     for k in range(num_gpus // g):
-        own = bundles[k * g : (k + 1) * g]
-        if len({bundle.node_id for bundle in own}) > 1:
-            per_node = list(Counter(bundle.node_id for bundle in bundles).values())
-            valid = ", ".join(str(d) for d in range(1, num_gpus + 1) if all(n % d == 0 for n in per_node))
+        nodes: dict[str, tuple[int, list[str]]] = {}
+        for index in range(k * g, (k + 1) * g):
+            first, ids = nodes.setdefault(bundles[index].node_id, (index, []))
+            ids.extend(bundles[index].gpu_ids)
+        if len(nodes) > 1 and any(len(ids) != per_node[node] for node, (_, ids) in nodes.items()):
+            sizes = list(per_node.values())
+            whole = ", ".join(str(d) for d in range(1, num_gpus + 1) if all(n % d == 0 for n in sizes))
             first, last = k * g, k * g + g - 1
             raise UserError(
-                f"rollout.gpus_per_engine={g}: engine {k} would span nodes (its GPUs are bundles {first}..{last} of "
-                f"the rollout pool, whose nodes hold {', '.join(map(str, per_node))} GPUs); engines spanning nodes "
-                f"are not supported yet: gpus_per_engine must divide the GPUs per node; valid: {valid}"
+                f"rollout.gpus_per_engine={g}: engine {k} would take parts of several nodes (its GPUs are bundles "
+                f"{first}..{last} of the rollout pool, whose nodes hold {', '.join(map(str, sizes))} GPUs): an engine "
+                f"takes part of one node or whole nodes; valid: {whole}, or a multiple of the node size"
             )
-        engines.append([gpu_id for bundle in own for gpu_id in bundle.gpu_ids])
+        engines.append(list(nodes.values()))
     return engines
 
 
@@ -137,9 +145,15 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
         return WorkerGroup(MegatronWorker, train_pool, role, num_gpus_per_worker=share, env=env, timeouts=timeouts)
 
     gpus_per_engine = config.rollout.gpus_per_engine
-    engine_gpu_ids, rollout_env = None, env
+    engine_gpu_ids, engine_nodes, rollout_env = None, None, env
     if gpus_per_engine > 1:  # asked before any group takes the pool's GPUs (the probes need a sliver of each)
-        engine_gpu_ids = assign_engine_gpus(rollout_pool.bundle_gpu_ids(), gpus_per_engine)
+        engines = assign_engine_gpus(rollout_pool.bundle_gpu_ids(), gpus_per_engine)
+        engine_gpu_ids = [nodes[0][1] for nodes in engines]
+        if any(len(nodes) > 1 for nodes in engines):
+            engine_nodes = [
+                [EngineNodeSlot(rank, *rollout_pool.bundles[first], tuple(ids)) for rank, (first, ids) in nodes[1:]]
+                for nodes in (list(enumerate(nodes)) for nodes in engines)
+            ]
         rollout_env = {**env, NOSET_CUDA_VISIBLE_DEVICES: "1"}
     groups = {role: group(role) for role in train_roles}
     num_engines = rollout_pool.world_size // gpus_per_engine
@@ -162,6 +176,7 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
         pools=pools,
         colocated=colocated,
         engine_gpu_ids=engine_gpu_ids,
+        engine_nodes=engine_nodes,
     )
     setup_roles(config, roles, rl_optimizer_steps, resume)
     return roles
@@ -175,7 +190,7 @@ def setup_roles(config: JobConfig, roles: Roles, rl_optimizer_steps: int, resume
     actor_steps = config.sft.num_steps if first_stage == "sft" else rl_optimizer_steps
     pending = [
         _setup(roles.actor, config.actor, "lm", actor_optim, actor_steps, seed, resume, "actor"),
-        _setup_rollout(roles.rollout, config, roles.engine_gpu_ids),
+        _setup_rollout(roles.rollout, config, roles.engine_gpu_ids, roles.engine_nodes),
     ]
     if roles.critic is not None:
         pending.append(
@@ -193,12 +208,20 @@ def setup_roles(config: JobConfig, roles: Roles, rl_optimizer_steps: int, resume
         call.result()
 
 
-def _setup_rollout(group: WorkerGroup, config: JobConfig, engine_gpu_ids: list[list[str]] | None):
+def _setup_rollout(
+    group: WorkerGroup,
+    config: JobConfig,
+    engine_gpu_ids: list[list[str]] | None,
+    engine_nodes: list[list[EngineNodeSlot]] | None = None,
+):
     if engine_gpu_ids is None:
         return group.async_call("setup", config.model.path, config.rollout)
     num_engines = len(engine_gpu_ids)
     paths, rollouts = [config.model.path] * num_engines, [config.rollout] * num_engines
-    return group.async_call("setup", paths, rollouts, gpu_ids=engine_gpu_ids, dispatch="per_rank")
+    kwargs = {"gpu_ids": engine_gpu_ids}
+    if engine_nodes is not None:
+        kwargs["nodes"] = engine_nodes
+    return group.async_call("setup", paths, rollouts, **kwargs, dispatch="per_rank")
 
 
 def _setup(

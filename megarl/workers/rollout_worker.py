@@ -5,7 +5,9 @@ actor's sending ranks as buckets (workers/weight_sync.py), framed by begin/finis
 
 An engine of several GPUs (rollout.gpus_per_engine > 1) has one worker, on the first of its bundles; the worker
 sees the node's GPUs (trainer/roles.py) and `setup` gets the engine's GPU ids, which go to engines whose
-constructor takes `gpu_ids`.
+constructor takes `gpu_ids`. An engine across nodes (SGLang --nnodes) is driven by the worker on its first node,
+which starts one EngineNode actor on each other node (megarl/workers/engine_nodes.py) and stops with an error
+naming the node when one of them is gone.
 
 Calls run on threads (`max_concurrency`), so that `abort`, `health` and `weight_version` reach the worker while a
 `generate` runs (asynchronous RL interrupts generation for weight syncs); every other engine call takes `_lock`,
@@ -24,8 +26,10 @@ from megarl.cluster.worker import Worker
 from megarl.errors import UserError
 from megarl.rollout.config import RolloutConfig, SamplingParams
 from megarl.rollout.engine import Bucket, Completion, GenerateRequest, RolloutEngine, SyncStats
+from megarl.rollout.sglang_server import NodePlace
 from megarl.runtime import faults
 from megarl.workers.bucket_transport import IpcBucket, PackedTensor, unpack_bucket, unpack_bucket_ipc
+from megarl.workers.engine_nodes import EngineNodeSlot
 
 ENGINES = {
     "hf": "megarl.rollout.hf_engine:HFEngine",
@@ -82,11 +86,19 @@ class RolloutWorker(Worker):
 
     def __init__(self):
         self._lock = threading.Lock()
+        self._nodes: list = []
+        self._node_slots: list[EngineNodeSlot] = []
 
-    def setup(self, model_path: str, config: RolloutConfig, gpu_ids: Sequence[str] | None = None) -> dict[str, Any]:
+    def setup(
+        self,
+        model_path: str,
+        config: RolloutConfig,
+        gpu_ids: Sequence[str] | None = None,
+        nodes: Sequence[EngineNodeSlot] = (),
+    ) -> dict[str, Any]:
         """Start the engine on `model_path`; a megarl checkpoint gives its HF config and tokenizer only (the
-        weights arrive with the first sync). `gpu_ids`: the engine's GPUs, for an engine of several (None: the
-        engine uses what this worker sees)."""
+        weights arrive with the first sync). `gpu_ids`: the engine's GPUs on this node, for an engine of several
+        (None: the engine uses what this worker sees). `nodes`: the engine's other nodes (node-rank 1, 2, ...)."""
         from transformers.utils import logging as hf_logging
 
         from megarl.checkpoint.model_dir import hf_config_dir
@@ -95,15 +107,60 @@ class RolloutWorker(Worker):
         start = time.perf_counter()
         with self._lock:
             kwargs = sglang_launch_kwargs(config, gpu_ids, model_path) if config.backend == "sglang" else {}
+            if nodes:
+                kwargs["node"] = self._start_other_nodes(model_path, config, kwargs, list(nodes))
             self.engine = build_engine(config.backend, str(hf_config_dir(model_path)), config, gpu_ids, **kwargs)
             self._sync_start = 0.0
             self._sync_tensors = self._sync_bytes = 0
         return {"seconds": time.perf_counter() - start}
 
+    def _start_other_nodes(self, model_path: str, config: RolloutConfig, kwargs: dict, slots: list) -> NodePlace:
+        """Launch node-ranks 1.. of this engine (one EngineNode actor each); returns node 0's place, where they
+        meet (this node's address, the engine's rendezvous port: megarl/rollout/sglang_launch.py)."""
+        from megarl.checkpoint.model_dir import hf_config_dir
+        from megarl.rollout.sglang_launch import LISTEN_HOST, PORT_SPAN
+        from megarl.rollout.sglang_server import build_server_command
+        from megarl.workers.engine_nodes import NOSET_CUDA_VISIBLE_DEVICES, start_engine_nodes
+
+        nnodes = len(slots) + 1
+        meet = f"{kwargs['advertise_host']}:{kwargs['port'] + PORT_SPAN}"
+
+        def command_for(node_rank: int) -> list[str]:
+            return build_server_command(
+                config.sglang,
+                str(hf_config_dir(model_path)),
+                host=LISTEN_HOST,
+                port=kwargs["port"],
+                load_format=kwargs["load_format"],
+                node=NodePlace(nnodes, node_rank, meet),
+                quantization=kwargs["quantization"],
+            )
+
+        self._node_slots = slots
+        # the node's processes see the node's GPUs (CUDA_VISIBLE_DEVICES is set for the server from the slot)
+        self._nodes = start_engine_nodes(slots, config.sglang, command_for, env={NOSET_CUDA_VISIBLE_DEVICES: "1"})
+        return NodePlace(nnodes, 0, meet)
+
+    def check_nodes(self) -> None:
+        """Raise naming the node when a node of this (multi-node) engine is gone; nothing for one-node engines."""
+        if self._nodes:
+            from megarl.workers.engine_nodes import check_engine_nodes
+
+            check_engine_nodes(self._nodes, self._node_slots, f"rollout engine {self.rank}")
+
+    def _checked(self, call, *args):
+        """Run an engine call; when it fails on a multi-node engine, a lost node is named first."""
+        try:
+            return call(*args)
+        except BaseException:
+            self.check_nodes()
+            raise
+
     def generate(self, requests: list[GenerateRequest], sampling: SamplingParams) -> list[list[Completion]]:
         faults.hit("rollout.generate")
+        self.check_nodes()
         with self._lock:
-            return self.engine.generate(requests, sampling)
+            return self._checked(self.engine.generate, requests, sampling)
 
     def abort(self) -> None:
         """Interrupt the generate call in progress (its unfinished completions return with finish reason `abort`);
@@ -118,7 +175,8 @@ class RolloutWorker(Worker):
         with self._lock:
             self._sync_start = time.perf_counter()
             self._sync_tensors = self._sync_bytes = 0
-            self.engine.begin_weight_update(version)
+            self.check_nodes()
+            self._checked(self.engine.begin_weight_update, version)
 
     def apply_packed_bucket(self, packed: list[PackedTensor]) -> None:
         """A bucket as `send_weights` ships it (megarl/workers/bucket_transport.py)."""
@@ -152,13 +210,13 @@ class RolloutWorker(Worker):
 
     def apply_bucket(self, bucket: Bucket) -> None:
         with self._lock:
-            self.engine.apply_bucket(bucket)
+            self._checked(self.engine.apply_bucket, bucket)
             self._sync_tensors += len(bucket)
             self._sync_bytes += sum(t.nbytes for _, t in bucket)
 
     def finish_weight_update(self, version: int) -> SyncStats:
         with self._lock:
-            self.engine.finish_weight_update(version)
+            self._checked(self.engine.finish_weight_update, version)
             seconds = time.perf_counter() - self._sync_start
             return SyncStats(version, self._sync_tensors, self._sync_bytes, seconds)
 
@@ -172,9 +230,20 @@ class RolloutWorker(Worker):
             self.engine.resume_memory(tags)
 
     def health(self) -> dict[str, Any]:
-        return self.engine.health()
+        from megarl.errors import RunFailure
+
+        info = self.engine.health()
+        try:
+            self.check_nodes()
+        except RunFailure as err:
+            info.update(ok=False, error=str(err))
+        return info
 
     def shutdown_engine(self) -> None:
+        from megarl.workers.engine_nodes import stop_engine_nodes
+
         self.engine.abort()  # a generate call in flight ends at its next decode step and frees the lock
         with self._lock:
             self.engine.shutdown()
+            stop_engine_nodes(self._nodes)
+            self._nodes = []
