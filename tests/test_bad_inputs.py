@@ -100,7 +100,13 @@ CASES = [
     ),
     Case(
         "rollout engine over parts of nodes",
-        [*TRAIN, "rollout.backend=sglang", "rollout.sglang.tp=3", "rollout.gpus_per_engine=3", "cluster.gpus_per_node=2"],
+        [
+            *TRAIN,
+            "rollout.backend=sglang",
+            "rollout.sglang.tp=3",
+            "rollout.gpus_per_engine=3",
+            "cluster.gpus_per_node=2",
+        ],
         ["rollout.gpus_per_engine=3 spans nodes of cluster.gpus_per_node=2", "use a multiple of 2"],
     ),
     # -- the model -----------------------------------------------------------------------------------------------

@@ -1,0 +1,138 @@
+"""Rollout engines across nodes on a simulated two-node Ray cluster (`ray.cluster_utils.Cluster`, logical GPUs).
+
+One engine of 4 GPUs over two nodes of 2: the worker on its first node starts node-rank 0 and an EngineNode actor on
+the other node starts node-rank 1, each on its own node's GPUs, meeting at the first node's address. SGLang cannot
+run here (CUDA only): `rollout.sglang.python` points at tests/scripts/fake_sglang_server.py, which records the
+command it was given (checked by SGLang's own parser) and answers health on node-rank 0. A node's SGLang process
+exiting, or the node itself leaving the cluster, stops the engine with an error naming the node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from megarl.cluster import GroupTimeouts, ResourcePool, WorkerGroup
+from megarl.cluster.errors import WorkerError
+from megarl.rollout.config import RolloutConfig, SamplingParams, SGLangEngineConfig
+from megarl.rollout.engine import GenerateRequest
+from megarl.trainer.roles import assign_engine_gpus
+from megarl.workers.engine_nodes import NOSET_CUDA_VISIBLE_DEVICES, EngineNodeSlot
+from megarl.workers.rollout_worker import RolloutWorker
+
+FAKE_SERVER = Path(__file__).parent / "scripts" / "fake_sglang_server.py"
+FAST = GroupTimeouts(init_s=120.0, call_s=60.0, failure_grace_s=2.0)
+
+pytestmark = pytest.mark.slow  # about 30 s: a three-raylet cluster and its workers
+
+
+@pytest.fixture()
+def cluster():
+    """A head without GPUs and two nodes of 2 logical GPUs each; removed after each test (one test removes a node)."""
+    assert not ray.is_initialized(), "another test module left Ray running"
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=4, num_gpus=2) for _ in range(2)]
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    yield cluster, nodes
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def start_engine(tmp_path, hf_checkpoint, port: int):
+    """One 4-GPU engine over both nodes, as start_roles places it; returns (group, records folder, pool)."""
+    records = tmp_path / "records"
+    records.mkdir()
+    pool = ResourcePool("rollout", num_nodes=2, gpus_per_node=2)
+    (engine,) = assign_engine_gpus(pool.bundle_gpu_ids(), 4)
+    assert [first for first, _ in engine] == [0, 2]
+    slots = [EngineNodeSlot(1, *pool.bundles[engine[1][0]], tuple(engine[1][1]))]
+    env = {NOSET_CUDA_VISIBLE_DEVICES: "1", "MEGARL_FAKE_SGLANG_DIR": str(records)}
+    group = WorkerGroup(RolloutWorker, pool, "rollout", world_size=1, bundle_stride=4, env=env, timeouts=FAST)
+    sglang = SGLangEngineConfig(tp=4, python=str(FAKE_SERVER), port=port, startup_timeout_s=60)
+    config = RolloutConfig(backend="sglang", gpus_per_engine=4, sglang=sglang)
+    config.check("rollout")
+    path = str(hf_checkpoint("tiny-llama"))
+    group.call("setup", [path], [config], gpu_ids=[engine[0][1]], nodes=[slots], dispatch="per_rank")
+    return group, records, pool
+
+
+def wait_for(path: Path, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not path.is_file() or not path.read_text():
+        assert time.monotonic() < deadline, f"{path} never written"
+        time.sleep(0.2)
+    return json.loads(path.read_text())
+
+
+def test_an_engine_over_two_nodes_starts_one_process_per_node_and_stops_when_one_exits(
+    cluster, tmp_path, hf_checkpoint
+):
+    group, records, pool = start_engine(tmp_path, hf_checkpoint, port=31200)
+    try:
+        node0, node1 = wait_for(records / "node0.json"), wait_for(records / "node1.json")
+        host = ray.util.get_node_ip_address()
+        for rank, record in enumerate((node0, node1)):
+            argv = record["argv"]
+            value = {flag: argv[argv.index(flag) + 1] for flag in ("--nnodes", "--node-rank", "--dist-init-addr")}
+            assert value == {"--nnodes": "2", "--node-rank": str(rank), "--dist-init-addr": f"{host}:31300"}
+            assert argv[argv.index("--tp-size") + 1] == "4" and argv[argv.index("--port") + 1] == "31200"
+            assert record["cuda_visible_devices"] == "0,1"  # each node's own two GPUs
+        _parsed_by_sglang(node1["argv"])
+        assert group.call("health", collect="rank0")["ok"]
+
+        os.kill(node1["pid"], signal.SIGKILL)  # node-rank 1's SGLang dies
+        time.sleep(0.5)
+        health = group.call("health", collect="rank0")
+        assert (
+            not health["ok"] and "rollout engine 0: node-rank 1 of the engine stopped: SGLang server" in health["error"]
+        )
+        assert "was killed by signal 9" in health["error"]
+        with pytest.raises(WorkerError, match=r"node-rank 1 of the engine stopped"):
+            group.call("generate", [GenerateRequest([1, 2])], SamplingParams(max_new_tokens=1))
+    finally:
+        stop(group, records, pool)
+
+
+def test_a_node_leaving_the_cluster_is_named(cluster, tmp_path, hf_checkpoint):
+    ray_cluster, nodes = cluster
+    group, records, pool = start_engine(tmp_path, hf_checkpoint, port=31400)
+    try:
+        wait_for(records / "node1.json")
+        second = next(node for node in nodes if node.node_id == pool.node_ids[2])
+        ray_cluster.remove_node(second)
+        health = group.call("health", collect="rank0")
+        assert not health["ok"] and "node-rank 1 of the engine stopped: its Ray actor is unreachable" in health["error"]
+    finally:
+        stop(group, records, pool)
+
+
+def stop(group, records: Path, pool) -> None:
+    """Stop the engine; after a failed call the group is down, so its processes are stopped by pid."""
+    try:
+        group.call("shutdown_engine")
+    except WorkerError:
+        for record in records.glob("node*.json"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(json.loads(record.read_text())["pid"], signal.SIGKILL)
+    group.shutdown()
+    pool.remove()
+
+
+def _parsed_by_sglang(argv: list[str]) -> None:
+    import sglang_contract
+
+    if not sglang_contract.installed():
+        return
+    from test_sglang_contract import parse_server_args
+
+    parsed, _ = parse_server_args(argv)
+    assert (parsed.nnodes, parsed.node_rank, parsed.tp_size) == (2, 1, 4)
