@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 
 class Health(BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 (http.server's name)
+    def do_GET(self):
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
