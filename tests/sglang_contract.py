@@ -88,6 +88,7 @@ def sglang_module(name: str) -> Any:
 REQUEST_TYPES = {
     "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/update_weight_version": "UpdateWeightVersionReqInput",

@@ -2,13 +2,16 @@
 call, and report what SGLang did not take. Run as a script (its own process: SGLang sets process-wide state):
 
     python tests/sglang_load_check.py MODEL_DIR [--one-by-one] [--fp8]
+    python tests/sglang_load_check.py MODEL_DIR --read-folder SYNC_DIR
 
 Prints one JSON line: {"params": N, "no_effect": [names whose load changed no parameter],
 "unwritten": [SGLang parameters no tensor wrote]}. Buckets are formed as megarl's weight sync forms them at a 1-byte
 budget (every tensor alone, except the groups an engine fuses at load time: Architecture.load_groups);
 --one-by-one loads every tensor alone instead (what SGLang sees when the groups are ignored). --fp8 builds the model
 with SGLang's own Fp8Config of DeepSeek-V3's quantization_config (8 x 8 blocks) and loads each bucket as megarl's
-sender makes it for rollout.weights_format=fp8 (megarl.bridge.fp8.quantize_bucket).
+sender makes it for rollout.weights_format=fp8 (megarl.bridge.fp8.quantize_bucket). --read-folder reads a disk-sync
+folder with SGLang's own DefaultModelLoader, as update_weights_from_disk does, and prints {name: [dtype, shape,
+sum as float64]} of what it yields.
 """
 
 from __future__ import annotations
@@ -78,9 +81,27 @@ def buckets_of(model_dir: str, tensors: dict, one_by_one: bool) -> list[list[tup
     return [*buckets, builder.flush()]
 
 
+def read_folder(model_dir: str, folder: str) -> None:
+    import torch
+
+    sglang_contract.install_stand_ins()
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    set_global_server_args_for_scheduler(ServerArgs(model_path=model_dir, device="cpu"))
+    loader = DefaultModelLoader(LoadConfig(load_format="auto"))
+    weights = loader._get_weights_iterator(DefaultModelLoader.Source(folder, None))
+    found = {n: [str(t.dtype), list(t.shape), t.to(torch.float64).sum().item()] for n, t in weights}
+    print(json.dumps(found))
+
+
 def main() -> None:
     import torch
     from safetensors.torch import load_file
+
+    if "--read-folder" in sys.argv:
+        return read_folder(sys.argv[1], sys.argv[sys.argv.index("--read-folder") + 1])
 
     from megarl.bridge.fp8 import DEEPSEEK_QUANTIZATION, BlockFP8, quantize_bucket
 

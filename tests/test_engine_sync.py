@@ -183,3 +183,69 @@ def test_the_sending_side_starts_no_ray_of_its_own():
     import ray
 
     assert not ray.is_initialized()  # the tests above sent over nccl only: no Ray call, no Ray instance
+
+
+# ---- the disk road (engines across nodes) ----------------------------------------------------------------------------
+
+
+def test_disk_sync_writes_a_fresh_folder_has_engines_read_it_and_removes_it(tmp_path):
+    seen = {}
+
+    def sync_weights(route, version, bucket_bytes):
+        folder = seen["folder"] = route.disk_dir
+        assert (
+            route.transport == "disk" and folder == str(tmp_path / "v1") and not any(tmp_path.joinpath("v1").iterdir())
+        )
+        (tmp_path / "v1" / "rank00000-000000.safetensors").write_bytes(b"x")
+        return [sent([]), sent([])]
+
+    rollout = Group({
+        "device_uuids": [[], []], "sglang_endpoint": [None, None],
+        "finish_weight_update": [SyncStats(1, 1, 8, 0.1)] * 2,
+        "load_weights_from_disk": lambda folder: seen.setdefault("read", folder),
+    })  # fmt: skip
+    actor = Group({"sync_weights": sync_weights})
+    sync = WeightSync(Roles(actor, rollout), TrainerState(), RolloutConfig(verify_sync="never"), "disk",
+                      disk_root=tmp_path)  # fmt: skip
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "stale.safetensors").write_bytes(b"left by a crashed sync")
+    sync()
+    assert seen["read"] == seen["folder"] and not (tmp_path / "v1").exists()
+    assert methods(rollout)[-3:] == ["begin_weight_update", "load_weights_from_disk", "finish_weight_update"]
+
+
+def test_a_failed_disk_sync_quarantines_and_removes_its_folder(tmp_path):
+    rollout = Group({"device_uuids": [[], []], "sglang_endpoint": [None, None],
+                     "load_weights_from_disk": RuntimeError("SGLang refused the folder")})  # fmt: skip
+    actor = Group({"sync_weights": [sent([]), sent([])]})
+    sync = WeightSync(Roles(actor, rollout), TrainerState(), RolloutConfig(), "disk", disk_root=tmp_path)
+    with pytest.raises(RuntimeError, match="SGLang refused the folder"):
+        sync()
+    assert methods(rollout)[-1] == "abandon_weight_update" and not (tmp_path / "v1").exists()
+
+
+@pytest.mark.parametrize(
+    ("choice", "mode", "pp", "nodes", "expected"),
+    [
+        ("auto", "colocated", 1, 1, "ipc"),
+        ("auto", "colocated", 4, 4, "disk"),  # the 671B layout: IPC reaches one node only
+        ("auto", "split", 1, 2, "nccl"),  # one sender broadcasts to every rank of every node
+        ("auto", "split", 4, 2, "disk"),
+        ("disk", "split", 1, 1, "disk"),
+    ],
+)
+def test_transport_for_engines_across_nodes(choice, mode, pp, nodes, expected):
+    from megarl.rollout.transports import resolve_weight_sync
+
+    assert resolve_weight_sync(choice, "sglang", mode, pp, 1, engine_nodes=nodes) == expected
+
+
+def test_roads_that_reach_one_node_are_refused_for_engines_across_nodes():
+    from megarl.errors import UserError
+    from megarl.rollout.transports import resolve_weight_sync
+
+    with pytest.raises(UserError, match=r"^rollout.weight_sync=ipc reaches only the GPUs of one node, and each rollout "
+                       r"engine spans 4 nodes; use disk"):  # fmt: skip
+        resolve_weight_sync("ipc", "sglang", "colocated", 4, 8, engine_nodes=4)
+    with pytest.raises(UserError, match=r"valid are auto, ipc, nccl, object_store, disk$"):
+        resolve_weight_sync("rdma", "sglang", "colocated", 1, 1)

@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import sglang_contract
@@ -236,6 +237,32 @@ def test_sglang_fp8_model_loads_every_tensor_of_megarls_fp8_buckets(sglang_check
     assert sent["model.layers.1.mlp.experts.7.down_proj.weight"] == "torch.float8_e4m3fn"
     assert sent["model.layers.1.mlp.experts.7.down_proj.weight_scale_inv"] == "torch.float32"
     assert sent["model.layers.1.mlp.gate.weight"] == sent["lm_head.weight"] == "torch.float32"  # as trained
+
+
+def test_sglang_reads_the_folder_of_a_disk_sync(sglang_checkpoint, tmp_path):
+    # rollout.weight_sync=disk: two sending ranks write their buckets (FP8 ones included) with megarl's writer;
+    # SGLang's own loader, as update_weights_from_disk runs it on every node, yields every tensor, bit for bit
+    import torch.distributed as dist
+
+    from megarl.bridge.fp8 import DEEPSEEK_QUANTIZATION, BlockFP8, quantize_bucket
+    from megarl.workers.weight_sync import SenderState, _write_bucket
+
+    sent = {}
+    for rank, bucket in enumerate([
+        [("model.norm.weight", torch.randn(64)), ("lm_head.weight", torch.randn(10, 64, dtype=torch.bfloat16))],
+        quantize_bucket([("model.layers.0.mlp.down_proj.weight", torch.randn(64, 200))], BlockFP8.from_config(
+            DEEPSEEK_QUANTIZATION, "test")),
+    ]):  # fmt: skip
+        is_rank = mock.patch.object(dist, "get_rank", lambda rank=rank: rank)
+        with mock.patch.object(dist, "is_initialized", lambda: True), is_rank:
+            _write_bucket(bucket, str(tmp_path), SenderState())
+        sent.update(bucket)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "rank00000-000000.safetensors",
+        "rank00001-000000.safetensors",
+    ]
+    found = sglang_load_check(sglang_checkpoint("tiny-deepseek-v3"), "--read-folder", str(tmp_path))
+    assert found == {name: [str(t.dtype), list(t.shape), t.double().sum().item()] for name, t in sent.items()}
 
 
 def test_sglang_cannot_serve_qwen3_moe_dense_layers(sglang_checkpoint):

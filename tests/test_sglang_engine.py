@@ -23,6 +23,7 @@ import random
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -334,6 +335,16 @@ class FakeSGLang:
                 self.weights[meta.name] = tensor.clone()
         return 200, {"success": True, "message": "Success"}
 
+    def on_update_weights_from_disk(self, body):
+        """Every rank reads the folder's safetensors files (SGLang's DefaultModelLoader on model_path)."""
+        from safetensors.torch import load_file
+
+        if self.fail_update:
+            return 400, {"success": False, "message": self.fail_update}
+        for path in sorted(Path(body["model_path"]).glob("*.safetensors")):
+            self.weights.update(load_file(path))
+        return 200, {"success": True, "message": "Succeeded to update model weights."}
+
     def on_weights_checker(self, body):
         """SGLang's WeightChecker "checksum" action: per TP rank, a checksum of every parameter it holds (here: the
         tensors as received; SGLang's own hash function, see sglang_checksum)."""
@@ -421,6 +432,27 @@ def test_colocated_weight_update_through_fake_server(fake):
             assert fake.weights[name].dtype == tensor.dtype and torch.equal(fake.weights[name], tensor)
     (c,) = engine.generate([GenerateRequest([1])], SamplingParams(max_new_tokens=2))[0]
     assert c.weight_version == 7 and c.token_versions == [7, 7]
+
+
+def test_disk_weight_update_through_fake_server(fake, tmp_path):
+    """The road of engines across nodes: SGLang reads the folder the senders wrote; a refusal quarantines."""
+    from safetensors.torch import save_file
+
+    engine = make_engine(fake)
+    save_file({"a": torch.ones(2), "b": torch.arange(3.0)}, tmp_path / "rank00000-000000.safetensors")
+    save_file({"c": torch.zeros(4, dtype=torch.bfloat16)}, tmp_path / "rank00001-000000.safetensors")
+    engine.begin_weight_update(4)
+    assert engine.load_weights_from_disk(str(tmp_path)) == (3, 8 + 12 + 8)
+    engine.finish_weight_update(4)
+    body = next(body for path, body in fake.calls if path == "/update_weights_from_disk")
+    assert body == {"model_path": str(tmp_path), "load_format": "auto", "abort_all_requests": False, "keep_pause": True}
+    assert torch.equal(fake.weights["b"], torch.arange(3.0)) and fake.weights["c"].dtype == torch.bfloat16
+    fake.fail_update = "Failed to update weights: shape mismatch"
+    engine.begin_weight_update(5)
+    with pytest.raises(SGLangError, match=r"refused weight bucket a \(\+2 more\)"):
+        engine.load_weights_from_disk(str(tmp_path))
+    with pytest.raises(SGLangError, match="refuses to generate"):
+        engine.generate([GenerateRequest([1])], SamplingParams(max_new_tokens=1))
 
 
 def test_weight_update_on_sglang_without_sessions(fake):

@@ -52,10 +52,15 @@ def build(folder, parallel: ParallelConfig):
     return pool, actor, rollout
 
 
-def sync(actor, rollout, version: int) -> dict:
+def sync(actor, rollout, version: int, disk_dir=None) -> dict:
+    """A sync as the trainer runs it: by the object store, or (disk_dir given) by files every engine reads."""
     rollout.call("begin_weight_update", version)
     route = SyncRoute.to_workers(rollout.workers)
+    if disk_dir is not None:
+        route = SyncRoute("disk", route.engines, disk_dir=str(disk_dir))
     sent = actor.call("sync_weights", route, version, 64 * 1024, collect="all")
+    if disk_dir is not None:
+        rollout.call("load_weights_from_disk", str(disk_dir))
     rollout.call("finish_weight_update", version)
     return {"tensors": sum(s["tensors"] for s in sent), "buckets": sum(s["buckets"] for s in sent)}
 
@@ -127,5 +132,23 @@ def test_sync_gives_the_engine_the_actors_weights_and_outputs(ray_local, hf_chec
         moved = engine_tensors(rollout, list(exported))
         assert any(not torch.equal(exported[n], moved[n]) for n in exported)
         assert after != before  # the update changed what the engine generates, and it still matches the actor
+    finally:
+        rollout.shutdown(), actor.shutdown(), pool.remove()
+
+
+def test_disk_road_gives_the_engine_every_senders_weights(ray_local, hf_checkpoint, tmp_path):
+    """The road of engines across nodes: two expert-parallel senders write their buckets as files; the engine reads
+    the folder and then holds exactly the actor's exported tensors and generates as the actor does."""
+    folder = hf_checkpoint("tiny-qwen3-moe")
+    pool, actor, rollout = build(folder, ParallelConfig(ep=2))
+    try:
+        one_update(actor)
+        stats = sync(actor, rollout, version=1, disk_dir=tmp_path)
+        files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+        assert len(files) == stats["buckets"] and {f[:9] for f in files} == {"rank00000", "rank00001"}
+        exported = {n: t for share in actor.call("export_weights", collect="all") for n, t in share}
+        in_engine = engine_tensors(rollout, list(exported))
+        assert all(torch.equal(exported[n], in_engine[n]) for n in exported)
+        check_engine_matches_actor(actor, rollout)
     finally:
         rollout.shutdown(), actor.shutdown(), pool.remove()

@@ -180,8 +180,15 @@ class JobConfig:
         from megarl.rollout.transports import resolve_weight_sync
 
         parallel = self.actor.model.parallel
+        per_node, per_engine = self.cluster.gpus_per_node, self.rollout.gpus_per_engine
+        engine_nodes = per_engine // per_node if per_node and per_engine > per_node else 1
         return resolve_weight_sync(
-            self.rollout.weight_sync, self.rollout.backend, self.placement.mode, parallel.pp, parallel.ep
+            self.rollout.weight_sync,
+            self.rollout.backend,
+            self.placement.mode,
+            parallel.pp,
+            parallel.ep,
+            engine_nodes=engine_nodes,
         )
 
     def check(self, key: str) -> None:

@@ -196,11 +196,12 @@ class RolloutConfig:
     """GPUs of one rollout engine (sglang: its tp; hf: 1). The engines share the rollout GPUs evenly."""
     bucket_bytes: int = 512 * 2**20
     """Largest weight-sync bucket, in bytes."""
-    weight_sync: Literal["auto", "ipc", "nccl", "object_store"] = "auto"
+    weight_sync: Literal["auto", "ipc", "nccl", "object_store", "disk"] = "auto"
     """How weights reach the engines: `ipc` (CUDA IPC handles from the actor's GPU, engines on the same GPUs),
     `nccl` (SGLang engines on other GPUs: a broadcast group set up once), `object_store` (host copies through Ray's
-    object store: CPU, and the fallback); `auto` picks ipc when colocated on GPUs, nccl when split with SGLang,
-    object_store otherwise."""
+    object store: CPU, and the fallback), `disk` (safetensors files in the run directory, read by every engine on
+    every node: engines across nodes); `auto` picks ipc when colocated on GPUs, nccl when split with SGLang and one
+    sending rank, object_store otherwise, and disk for engines across nodes that no broadcast reaches."""
     weights_format: Literal["auto", "bf16", "fp8"] = "auto"
     """The weights the engines serve: `fp8` (block-wise 128x128 e4m3 with weight_scale_inv, as DeepSeek-V3/R1
     publish theirs; the sending ranks quantize at every sync, training stays bf16; SGLang only), `bf16` (the training

@@ -116,6 +116,22 @@ class RolloutEngine(ABC):
         self.finish_weight_update(version)
         return SyncStats(version, num_tensors, num_bytes, time.perf_counter() - start)
 
+    def load_weights_from_disk(self, folder: str) -> tuple[int, int]:
+        """Load every tensor of the safetensors files in `folder` (the disk transport: each sending rank wrote its
+        buckets there), between begin and finish_weight_update; returns (tensors, bytes). Here: each file as a
+        bucket through apply_bucket; engines that read a folder themselves (SGLang) override it."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        num_tensors = num_bytes = 0
+        for path in sorted(Path(folder).glob("*.safetensors")):
+            bucket = list(load_file(path).items())
+            self.apply_bucket(bucket)
+            num_tensors += len(bucket)
+            num_bytes += sum(t.nbytes for _, t in bucket)
+        return num_tensors, num_bytes
+
     def verify_weights(self, expected: Bucket) -> list[str]:
         """Compare what the engine holds with `expected` (HF-named tensors as the trainer sent them): one line per
         tensor that differs or is missing, [] when all agree. Engines that cannot look return [] (not checked)."""

@@ -182,6 +182,14 @@ class SGLangClient:
             },
         )
 
+    def update_weights_from_disk(self, model_path: str) -> None:
+        """POST /update_weights_from_disk: every rank of the server (on every node) reads the safetensors files in
+        `model_path` and loads the tensors it holds; generation stays paused (keep_pause) until continue."""
+        self.control(
+            "/update_weights_from_disk",
+            {"model_path": model_path, "load_format": "auto", "abort_all_requests": False, "keep_pause": True},
+        )
+
     def init_weights_update_group(
         self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
     ) -> None:

@@ -497,6 +497,16 @@ class SGLangEngine(RolloutEngine):
                 rank_devices=self.ipc_rank_devices,
             )
 
+    def load_weights_from_disk(self, folder: str) -> tuple[int, int]:
+        """The disk transport: SGLang's ranks, on every node of the engine, read the folder the trainer wrote."""
+        from megarl.bridge.safetensors_io import read_header
+
+        files = sorted(Path(folder).glob("*.safetensors"))
+        specs = [(name, entry) for path in files for name, entry in read_header(path)[0].items()]
+        with self.update_guard([(name, None) for name, _ in specs]):
+            self._call(self.client.update_weights_from_disk, str(folder))
+        return len(specs), sum(entry["data_offsets"][1] - entry["data_offsets"][0] for _, entry in specs)
+
     @contextlib.contextmanager
     def update_guard(self, bucket: Bucket):
         """Around loading one bucket (by any transport): if it fails, the engine holds a mix of old and new weights,

@@ -7,8 +7,13 @@
 - `nccl`: SGLang engines on GPUs of their own (split). The sending rank broadcasts each flattened bucket once to
   every engine GPU through a process group set up at the first sync (update_weights_from_distributed).
 - `object_store`: host copies through Ray's object store, to each engine's worker, which loads them (CPU, and the
-  fallback everywhere).
-- `auto`: ipc when colocated, nccl when split with SGLang and one sending rank, object_store otherwise.
+  fallback for engines within a node).
+- `disk`: each sending rank writes its buckets as safetensors files into a folder of the run directory (a file
+  system every node shares); every engine then reads it (SGLang's update_weights_from_disk: all ranks of an engine,
+  on every node). The road for engines across nodes when no broadcast group can be used: CUDA IPC handles and the
+  rollout worker's host copies reach only the GPUs of its own node.
+- `auto`: for engines within a node, ipc when colocated, nccl when split with SGLang and one sending rank,
+  object_store otherwise; for engines across nodes, nccl when split with SGLang and one sending rank, else disk.
 """
 
 from __future__ import annotations
@@ -17,19 +22,34 @@ from typing import Literal
 
 from megarl.errors import UserError
 
-Transport = Literal["ipc", "nccl", "object_store"]
+Transport = Literal["ipc", "nccl", "object_store", "disk"]
+TRANSPORTS = ("ipc", "nccl", "object_store", "disk")
 
 
 def resolve_weight_sync(
-    choice: str, backend: str, placement_mode: str, actor_pp: int, actor_ep: int, key: str = "rollout.weight_sync"
+    choice: str,
+    backend: str,
+    placement_mode: str,
+    actor_pp: int,
+    actor_ep: int,
+    key: str = "rollout.weight_sync",
+    engine_nodes: int = 1,
 ) -> Transport:
-    """The transport for `choice` (rollout.weight_sync), or a UserError naming what rules it out."""
+    """The transport for `choice` (rollout.weight_sync), or a UserError naming what rules it out. `engine_nodes`:
+    the nodes one rollout engine spans."""
     colocated = placement_mode == "colocated"
     one_sender = actor_pp == 1 and actor_ep == 1
     if choice == "auto":
+        if engine_nodes > 1:
+            return "nccl" if backend == "sglang" and one_sender and not colocated else "disk"
         if colocated:
             return "ipc"
         return "nccl" if backend == "sglang" and one_sender else "object_store"
+    if choice in ("ipc", "object_store") and engine_nodes > 1:
+        raise UserError(
+            f"{key}={choice} reaches only the GPUs of one node, and each rollout engine spans {engine_nodes} nodes; "
+            "use disk (or nccl: split placement, actor pp=1 and ep=1)"
+        )
     if choice == "ipc" and not colocated:
         raise UserError(
             f"{key}=ipc needs the engines on the actor's GPUs (placement.mode=colocated); with placement.mode="
@@ -46,6 +66,6 @@ def resolve_weight_sync(
                 "and expert rank, whose broadcasts into shared engines could deadlock); use object_store, or pp=1 "
                 "and ep=1"
             )
-    if choice not in ("ipc", "nccl", "object_store"):
-        raise UserError(f"{key}={choice!r}: valid are auto, ipc, nccl, object_store")
+    if choice not in TRANSPORTS:
+        raise UserError(f"{key}={choice!r}: valid are auto, {', '.join(TRANSPORTS)}")
     return choice  # type: ignore[return-value]

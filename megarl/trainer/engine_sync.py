@@ -8,7 +8,10 @@ the run naming the tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import shutil
+from pathlib import Path
 
 from megarl.errors import RunFailure
 from megarl.rollout.config import RolloutConfig
@@ -29,6 +32,7 @@ class WeightSync:
         rollout: RolloutConfig,
         transport: str,
         quantization: dict | None = None,
+        disk_root: Path | None = None,
     ):
         self.roles = roles
         self.state = state
@@ -37,6 +41,9 @@ class WeightSync:
         """rollout.weight_sync resolved (megarl/rollout/transports.py)."""
         self.quantization = quantization
         """rollout.weights_format resolved (megarl/rollout/weights_format.py): FP8 config or None."""
+        self.disk_root = disk_root
+        """The disk transport: where each sync's folder goes (the run directory, on a file system every node
+        shares)."""
         self.route = None
         """How the weights travel (a SyncRoute), asked of the engines at the first sync."""
         self.num_syncs = 0
@@ -46,12 +53,21 @@ class WeightSync:
         rollout, actor = self.roles.rollout, self.roles.actor
         if self.route is None:
             self.route = self._route()
+        route, folder = self.route, None
+        if self.transport == "disk":
+            folder = self._fresh_folder(version)
+            route = dataclasses.replace(route, disk_dir=str(folder))
         rollout.call("begin_weight_update", version)
         try:
-            sent = actor.call("sync_weights", self.route, version, self.rollout.bucket_bytes, collect="all")
+            sent = actor.call("sync_weights", route, version, self.rollout.bucket_bytes, collect="all")
+            if folder is not None:
+                rollout.call("load_weights_from_disk", str(folder))
         except BaseException as err:
             rollout.call("abandon_weight_update", str(err).splitlines()[0][:300])
             raise
+        finally:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
         received = rollout.call("finish_weight_update", version)
         self.num_syncs += 1
         verify = self.rollout.verify_sync
@@ -67,6 +83,14 @@ class WeightSync:
             "sync/ipc_engines": max(s["ipc_engines"] for s in sent),
             "sync/verified_tensors": float(verified),
         }
+
+    def _fresh_folder(self, version: int) -> Path:
+        if self.disk_root is None:
+            raise RuntimeError("rollout.weight_sync=disk needs the run directory (WeightSync disk_root)")
+        folder = self.disk_root / f"v{version}"
+        shutil.rmtree(folder, ignore_errors=True)  # what a crashed sync left
+        folder.mkdir(parents=True)
+        return folder
 
     def _route(self):
         from megarl.workers.weight_sync import EngineTarget, SyncRoute

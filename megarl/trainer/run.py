@@ -159,7 +159,8 @@ def _start(
     )
     stack.callback(progress.close)
     quantization = rollout_quantization(config.rollout, config.model.path)
-    sync = WeightSync(roles, state, config.rollout, config.weight_sync_transport(), quantization)
+    transport = config.weight_sync_transport()
+    sync = WeightSync(roles, state, config.rollout, transport, quantization, disk_root=run_dir / "weight_sync")
     handover = Handover(roles, config.placement.offload, resync=lambda: sync(new_version=False))
     trained = {"actor": roles.actor, "critic": roles.critic}
     if "rm" in config.run.stages:

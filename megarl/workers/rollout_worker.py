@@ -214,6 +214,13 @@ class RolloutWorker(Worker):
             self._sync_tensors += len(bucket)
             self._sync_bytes += sum(t.nbytes for _, t in bucket)
 
+    def load_weights_from_disk(self, folder: str) -> None:
+        """The disk transport: the engine reads the bucket files the actor's ranks wrote into `folder`."""
+        with self._lock:
+            tensors, nbytes = self._checked(self.engine.load_weights_from_disk, folder)
+            self._sync_tensors += tensors
+            self._sync_bytes += nbytes
+
     def finish_weight_update(self, version: int) -> SyncStats:
         with self._lock:
             self._checked(self.engine.finish_weight_update, version)

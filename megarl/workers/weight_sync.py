@@ -9,7 +9,9 @@ bucket and engine, the road (megarl/rollout/transports.py):
   SGLang's own flattened-bucket payload posted straight to its server (update_weights_from_tensor, one payload per
   engine TP rank); the hf engine's worker gets the handle through Ray. Engines elsewhere take the object store;
 - nccl (SGLang engines on GPUs of their own): the sending rank broadcasts each flattened bucket to every engine GPU
-  through an SGLangWeightSender it keeps between syncs (closed on any failure, so the next sync starts clean).
+  through an SGLangWeightSender it keeps between syncs (closed on any failure, so the next sync starts clean);
+- disk (engines across nodes, any number of sending ranks): each sending rank writes its buckets as safetensors
+  files into the sync's folder on the run's shared file system; the controller then has every engine read it.
 Gathering the next bucket overlaps the engines applying the current one; at most two buckets are in flight, which
 bounds the memory beyond the model. The norm weights (rollout/engine.py VERIFY_PATTERN) are kept, as sent, for the
 controller to verify the engines against.
@@ -55,6 +57,8 @@ class SyncRoute:
     engines: tuple[EngineTarget, ...]
     group_name: str = "megarl_weights"
     timeout_s: float = 600.0
+    disk_dir: str | None = None
+    """The disk transport: the folder (shared by every node) this sync's files go to."""
     quantization: dict | None = None
     """The engines' weight format (rollout.weights_format resolved): a block-wise FP8 quantization_config makes the
     senders quantize each bucket into the FP8 checkpoint's names, shapes and dtypes; None sends the weights as
@@ -73,6 +77,8 @@ class SenderState:
 
     nccl: object | None = None
     samples: Bucket = field(default_factory=list)
+    files_written: int = 0
+    """Bucket files this rank wrote for the disk transport (their names count up within a sync folder)."""
 
 
 def send_weights(model: LoadedModel, route: SyncRoute, version: int, bucket_bytes: int, state: SenderState) -> dict:
@@ -122,8 +128,8 @@ def close_sender(state: SenderState) -> None:
 
 def _roads(route: SyncRoute) -> list[str]:
     """Per engine: ipc (on this rank's GPU), nccl or object_store."""
-    if route.transport == "nccl":
-        return ["nccl"] * len(route.engines)
+    if route.transport in ("nccl", "disk"):
+        return [route.transport] * len(route.engines)
     mine = device_uuid(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
     return [
         "ipc" if route.transport == "ipc" and mine is not None and mine in engine.devices else "object_store"
@@ -139,6 +145,8 @@ def _send_bucket(bucket: Bucket, route: SyncRoute, roads: list[str], state: Send
     from megarl.rollout.sglang_weights import send_flattened_bucket
 
     calls, keep_alive = [], []
+    if "disk" in roads:  # one file for every engine: they all read the folder
+        _write_bucket(bucket, route.disk_dir, state)
     if "nccl" in roads:
         if state.nccl is None:
             state.nccl = _connect_sender(route)
@@ -158,6 +166,20 @@ def _send_bucket(bucket: Bucket, route: SyncRoute, roads: list[str], state: Send
         ref = ray.put(pack_bucket(bucket))  # copied into the object store: parameters may change afterwards
         calls += [engine.worker.apply_packed_bucket.remote(ref) for engine in by_store]
     return calls, keep_alive
+
+
+def _write_bucket(bucket: Bucket, folder: str, state: SenderState) -> None:
+    """One bucket as a safetensors file, named by this rank and a running count (files never collide)."""
+    import os
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = os.path.join(folder, f"rank{rank:05d}-{state.files_written:06d}.safetensors")
+    save_file({name: t.detach().contiguous().cpu() for name, t in bucket}, path + ".tmp")
+    os.replace(path + ".tmp", path)  # SGLang reads *.safetensors: never a half-written file
+    state.files_written += 1
 
 
 def _connect_sender(route: SyncRoute):
