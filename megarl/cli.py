@@ -131,8 +131,12 @@ def _run_train(args: argparse.Namespace) -> int:
     from megarl.config.job import JobConfig
     from megarl.trainer.run import dry_run, train
 
-    config = load_config(JobConfig, args.config, args.overrides)
-    return dry_run(config) if args.dry_run else train(config)
+    if args.dry_run:  # like `megarl plan`, also where the data files exist only on the cluster
+        from megarl.plan.planner import load_for_planning
+
+        config, notes = load_for_planning(args.config, args.overrides)
+        return dry_run(config, notes)
+    return train(load_config(JobConfig, args.config, args.overrides))
 
 
 def _add_plan(commands) -> None:

@@ -134,6 +134,11 @@ class PlanConfig:
     """GPU-to-GPU bandwidth inside a node, GB/s (NVLink; H100 SXM: ~900)."""
     inter_node_gbps: float = 50.0
     """Per-GPU bandwidth between nodes, GB/s (e.g. 400 Gb/s InfiniBand = 50 GB/s)."""
+    shared_fs_gbps: float = 20.0
+    """Aggregate bandwidth of the file system every node shares (the run directory), GB/s: the disk weight
+    transport's speed (engines across nodes)."""
+    host_memory_gb: float | None = None
+    """Host memory of one node, GB; given, the plan refuses a job whose host memory per node exceeds 90% of it."""
     model_config: str | None = None
     """A config.json to plan with when model.path is not on this machine (e.g. planning on a laptop)."""
     check_memory: bool = True

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megarl.config.job import JobConfig, RoleConfig
 from megarl.errors import UserError
+from megarl.plan.host import host_memory_per_node
 from megarl.plan.memory import GB, RoleMemory, resolve_layout, role_memory
 from megarl.plan.model_size import (
     ModelShape,
@@ -91,6 +92,8 @@ def run_plan(config: JobConfig, config_path: str = "") -> PlanReport:
             config.rollout.bucket_bytes,
             config.rollout.sglang.tp,
             config.weight_sync_transport(),
+            fp8=_serves_fp8(config),
+            shared_fs_gbps=config.plan.shared_fs_gbps,
         )
     launches = []
     if engine is not None:
@@ -101,7 +104,14 @@ def run_plan(config: JobConfig, config_path: str = "") -> PlanReport:
             first_gpu=placement.rollout_first_gpu,
             gpus_per_node=placement.gpus_per_node,
         )
-    host = sum(m.host_bytes_when_offloaded() for m in memories.values())
+    gpus_on_node = min(config.placement.train_gpus, placement.gpus_per_node)
+    host = host_memory_per_node(
+        list(memories.values()),
+        gpus_on_node,
+        gpus_on_node if colocated_engine else 0,
+        config.cluster.object_store_memory_mb,
+        config.plan.host_memory_gb,
+    )
     return PlanReport(
         config_path=config_path,
         model=_describe_model(roles, shapes),
@@ -110,20 +120,31 @@ def run_plan(config: JobConfig, config_path: str = "") -> PlanReport:
         roles=reports,
         sync=sync,
         sync_bandwidths=(config.plan.intra_node_gbps, config.plan.inter_node_gbps),
-        host_bytes_per_node=host * min(config.placement.train_gpus, placement.gpus_per_node),
+        host=host,
+        host_memory_gb=config.plan.host_memory_gb,
         launches=launches,
         notes=notes + [note for shape, _, _ in shapes.values() for note in shape.notes],
     )
 
 
+def _serves_fp8(config: JobConfig) -> bool:
+    from megarl.rollout.weights_format import rollout_quantization
+
+    return rollout_quantization(config.rollout, config.model.path) is not None
+
+
 def plan_command(path: str | Path, overrides: Sequence[str] = ()) -> int:
-    """`megarl plan --config FILE [overrides]`: print the plan; 0 when everything fits, 1 when something does not.
-    Bad configs raise UserError (the CLI prints it and exits 2)."""
+    """`megarl plan --config FILE [overrides]`: print the plan; 0 when everything fits and `megarl train` would
+    start, 1 when something does not fit. Train's pre-flight checks run first (the same function as train and
+    --dry-run), so a config train refuses raises its UserError here too (the CLI prints it and exits 2)."""
+    from megarl.trainer.preflight import preflight, would_start
+
     config, notes = load_for_planning(path, overrides)
+    preflight(config, check_memory=False, off_machine=True)
     report = run_plan(config, str(path))
     report.notes += notes
     print(report.render())
-    return 0 if report.fits else 1
+    return 0 if would_start(config, report) else 1
 
 
 def load_for_planning(path: str | Path, overrides: Sequence[str] = ()) -> tuple[JobConfig, list[str]]:

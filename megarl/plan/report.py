@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megarl.plan.host import HostMemory
 from megarl.plan.memory import GB
 from megarl.plan.placement import Placement
 from megarl.plan.sync import SyncEstimate
@@ -55,6 +56,10 @@ class RoleReport:
         return f"{self.name}: {self.extra_problem}" if self.extra_problem else None
 
 
+HOST_HEADROOM = 0.9
+"""Share of a node's RAM the plan lets a job use (the OS, page cache and file system clients need the rest)."""
+
+
 @dataclass
 class PlanReport:
     config_path: str
@@ -65,7 +70,10 @@ class PlanReport:
     roles: list[RoleReport]
     sync: SyncEstimate | None = None
     sync_bandwidths: tuple[float, float] = (0.0, 0.0)
-    host_bytes_per_node: float = 0.0
+    host: HostMemory | None = None
+    """Host memory of a training node (megarl/plan/host.py)."""
+    host_memory_gb: float | None = None
+    """plan.host_memory_gb: the node's RAM, when given."""
     launches: list[EngineLaunch] = field(default_factory=list)
     """The SGLang server processes the job starts (megarl/rollout/sglang_launch.py)."""
     notes: list[str] = field(default_factory=list)
@@ -77,8 +85,18 @@ class PlanReport:
         raise KeyError(f"no role {name!r} in the plan; planned: {', '.join(r.name for r in self.roles)}")
 
     @property
+    def host_bytes_per_node(self) -> float:
+        return self.host.total if self.host is not None else 0.0
+
+    @property
     def problems(self) -> list[str]:
-        return list(self.placement.problems) + [p for r in self.roles if (p := r.problem()) is not None]
+        problems = list(self.placement.problems) + [p for r in self.roles if (p := r.problem()) is not None]
+        if self.host_memory_gb is not None and self.host_bytes_per_node > HOST_HEADROOM * self.host_memory_gb * GB:
+            problems.append(
+                f"host memory: about {gb(self.host_bytes_per_node)} GB per node ({self.host.describe()}) exceeds "
+                f"{HOST_HEADROOM:.0%} of plan.host_memory_gb={self.host_memory_gb:g}"
+            )
+        return problems
 
     @property
     def fits(self) -> bool:
@@ -105,10 +123,8 @@ class PlanReport:
             out += render_launches(self.launches)
         if self.host_bytes_per_node >= 0.1 * GB:
             out.append("")
-            out.append(
-                f"host memory: about {gb(self.host_bytes_per_node)} GB per node for offloaded states "
-                "(colocated turns, optimizer CPU offload)"
-            )
+            limit = f" of {self.host_memory_gb:g}" if self.host_memory_gb is not None else ""
+            out.append(f"host memory: about {gb(self.host_bytes_per_node)} GB per node{limit} ({self.host.describe()})")
         notes = list(dict.fromkeys(pl.notes + self.notes))
         if notes:
             out.append("")

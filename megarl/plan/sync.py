@@ -14,11 +14,17 @@ Time, as sums and maxima of bytes / bandwidth (PlanConfig: intra-node per GPU, i
   links (NVLink when training and rollout share one node), and every engine GPU receives whole tensors (B) from the
   node's fan-out;
 - object store (host copies): every byte crosses host memory at about HOST_GBPS on the sender and on each engine;
+- disk (engines across nodes): the senders write all B bytes to the shared file system, then every node of every
+  engine reads them once (its ranks share the node's page cache), at plan.shared_fs_gbps for the whole cluster,
+  one after the other;
 - in all, the busiest sender pushes its share once (a pipelined broadcast);
 - per bucket, a fixed cost (BUCKET_OVERHEAD_S): an engine applies updates one call at a time (the request,
   rebuilding tensors, the model's load_weights), so B / bucket_bytes calls add up.
-Bandwidths are ideal (every GPU's link busy, no contention) and the pause / cache flush around the update is not
-counted: read the result as a lower bound; measured syncs are typically 1.5-3x slower.
+With FP8 rollout (rollout.weights_format) the expert weights travel at one byte per element, the rest at the
+checkpoint's width (attention projections are FP8 too: a slight overestimate). Bandwidths are ideal (every GPU's
+link busy, no contention) and the pause / cache flush around the update is not counted: read the result as a lower
+bound; measured syncs are typically 1.5-3x slower. Calibration: only the object-store road has been measured
+(tools/bench/refit.py, CPU); the GPU roads await tools/bench/gpu_refit.py on a GPU.
 """
 
 from __future__ import annotations
@@ -62,13 +68,17 @@ def estimate_sync(
     bucket_bytes: int,
     engine_tp: int,
     transport: str = "auto",
+    fp8: bool = False,
+    shared_fs_gbps: float = 20.0,
 ) -> SyncEstimate:
-    """`transport`: the resolved rollout.weight_sync (ipc, nccl, object_store); auto: ipc colocated, nccl split."""
+    """`transport`: the resolved rollout.weight_sync (ipc, nccl, object_store, disk); auto: ipc colocated, nccl
+    split. fp8: the engines take FP8 weights (rollout.weights_format resolved)."""
     if transport == "auto":
         transport = "ipc" if placement.mode == "colocated" else "nccl"
     nbytes = shape.hf_dtype_bytes
+    expert_bytes = 1 if fp8 else nbytes
     dense_total, expert_total = hf_numel(shape)
-    total = (dense_total + expert_total) * nbytes
+    total = dense_total * nbytes + expert_total * expert_bytes
     extra = dense_total + expert_total - sum(hf_numel(shape, layers=range(shape.num_layers)))  # embedding, norm, head
     shares, gathers = [], []
     intra, inter = intra_gbps * 1e9, inter_gbps * 1e9
@@ -76,7 +86,7 @@ def estimate_sync(
     for stage in range(layout.pp):
         dense, expert = hf_numel(shape, layers=layout.stages.stage_layers(shape.num_layers, stage))
         dense += extra if layout.pp == 1 else (extra / 2 if stage in (0, layout.pp - 1) else 0)
-        shares.append((dense + expert / layout.ep) * nbytes)
+        shares.append(dense * nbytes + expert / layout.ep * expert_bytes)
         tp_bw = intra if layout.tp <= gpn else inter
         etp_bw = intra if layout.etp <= gpn else inter
         gather = dense * nbytes * (layout.tp - 1) / layout.tp / tp_bw
@@ -86,6 +96,10 @@ def estimate_sync(
     if transport == "object_store":
         road = "object_store: host copies through Ray's object store, loaded by each engine's worker"
         transfer = max(total / (HOST_GBPS * 1e9), max_share / (HOST_GBPS * 1e9))
+    elif transport == "disk":
+        road = "disk: safetensors files in the run directory, read by every node of every engine"
+        engine_nodes = placement.num_engines * placement.engine_nodes
+        transfer = total * (1 + engine_nodes) / (shared_fs_gbps * 1e9)
     elif transport == "ipc":
         road = "ipc: CUDA IPC into the engines on the same GPUs (update_weights_from_tensor)"
         local_fraction = min(1.0, placement.engine_nodes / max(1, placement.train_nodes))

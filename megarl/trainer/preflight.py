@@ -14,15 +14,22 @@ from megarl.config.job import JobConfig, RoleConfig
 from megarl.errors import UserError
 
 
-def load_model_config(config: JobConfig):
+def load_model_config(config: JobConfig, off_machine: bool = False):
     """The HF config of the run's model: from model.path (a HF folder or megarl checkpoint), or model.init.config
-    when the model is still to be built."""
+    when the model is still to be built. off_machine (plan, --dry-run): model.path may live on the cluster only,
+    and plan.model_config stands in for its config.json."""
     from megarl.checkpoint.model_dir import hf_config_dir
     from megarl.models.hf_config import load_hf_config
 
     path = Path(config.model.path)
     if path.exists():
         return load_hf_config(hf_config_dir(path))
+    if off_machine and config.plan.model_config and config.model.init is None:
+        from megarl.plan.model_size import hf_config_from_dict, load_config_json
+        from megarl.plan.planner import find_config_json
+
+        found = find_config_json("", config.plan.model_config, "plan.model_config")
+        return hf_config_from_dict(load_config_json(found, "plan.model_config"))
     if config.model.init is None:
         raise UserError(
             f"model.path={config.model.path!r} does not exist; give a HF model folder or a megarl checkpoint "
@@ -50,11 +57,14 @@ def used_roles(config: JobConfig) -> dict[str, RoleConfig]:
     return roles
 
 
-def preflight(config: JobConfig, check_memory: bool = True) -> None:
+def preflight(config: JobConfig, check_memory: bool = True, off_machine: bool = False) -> None:
+    """Every check train makes before Ray starts; `megarl plan` and `--dry-run` run it too (off_machine: the model
+    files may be on the cluster only, see load_model_config)."""
     from megarl.models.layout import check_parallel_layout
     from megarl.models.registry import get_architecture
+    from megarl.rollout.weights_format import rollout_quantization
 
-    hf_config = load_model_config(config)
+    hf_config = load_model_config(config, off_machine)
     arch = get_architecture(hf_config.model_type)
     arch.check_supported(hf_config)
     if config.rl_stages and config.rollout.backend == "sglang":
@@ -89,6 +99,8 @@ def preflight(config: JobConfig, check_memory: bool = True) -> None:
             f"rollout.gpus_per_engine={engine_gpus} spans nodes of cluster.gpus_per_node={node_gpus} GPUs: an engine "
             f"larger than a node takes whole nodes; use a multiple of {node_gpus}"
         )
+    if config.rl_stages:
+        rollout_quantization(config.rollout, config.model.path)  # an FP8 format the engines cannot take is named
     if check_memory:
         _check_memory(config)
     if config.placement.mode == "colocated" and gpus % config.rollout.gpus_per_engine:
@@ -104,6 +116,12 @@ def plans_memory(config: JobConfig) -> bool:
     import torch
 
     return config.plan.check_memory and (torch.cuda.is_available() or config.rollout.backend == "sglang")
+
+
+def would_start(config: JobConfig, report) -> bool:
+    """Given the plan of a job that passed pre-flight: does `megarl train` start it? (plan and --dry-run exit 0
+    exactly then.)"""
+    return report.fits or not plans_memory(config)
 
 
 def _check_memory(config: JobConfig) -> None:

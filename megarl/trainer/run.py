@@ -66,28 +66,35 @@ def train(config: JobConfig) -> int:
     raise AssertionError("unreachable")
 
 
-def dry_run(config: JobConfig) -> int:
+def dry_run(config: JobConfig, notes: list[str] | None = None) -> int:
     """`megarl train --dry-run`: every check `train` makes before it starts anything (config, model files, data rows,
     checkpoints to resume, the plan's memory verdict), then the resolved config, the placement and the SGLang launch
     commands. Starts neither Ray nor a model and writes nothing; 0 when the job would start, 1 when the plan says it
     does not fit (other problems raise UserError: exit 2)."""
     from megarl.config.dump import to_yaml
     from megarl.plan import run_plan
-    from megarl.trainer.preflight import plans_memory, preflight
+    from megarl.trainer.preflight import preflight, would_start
 
-    preflight(config, check_memory=False)
+    preflight(config, check_memory=False, off_machine=True)
     latest = _check_resume(config, RunCheckpoints(Path(config.run.dir), config.checkpoint.keep))
     resume = f"resume from {latest}" if latest is not None else "start fresh"
-    if Path(config.model.path).exists():
+    if notes:  # data files only on the cluster (megarl.plan.load_for_planning)
+        data_note = "; ".join(notes) + "; train reads every row there"
+    elif Path(config.model.path).exists():
         _read_data(config)  # every row of every file, with the model's tokenizer
         data_note = "every data row checked"
+    elif config.model.init is None:
+        data_note = (
+            f"model.path={config.model.path} is not on this machine: checked against plan.model_config; train reads "
+            "the weights, the tokenizer and every data row on the cluster"
+        )
     else:
         data_note = f"data rows are checked once model.init has built {config.model.path} (it holds the tokenizer)"
     report = run_plan(config, "")
     print("resolved config\n" + "\n".join(f"  {line}" for line in to_yaml(config).splitlines()))
     print(report.render().split("\n", 1)[1])  # the plan without its title line
     print(f"\ndry run: {data_note}; the run would {resume} in {config.run.dir}; nothing was started")
-    return 0 if report.fits or not plans_memory(config) else 1
+    return 0 if would_start(config, report) else 1
 
 
 def _check_resume(config: JobConfig, checkpoints: RunCheckpoints) -> Path | None:
