@@ -44,3 +44,65 @@ def test_config_loads_and_fits(path, data_dir):
     assert report.fits, report.render()
     gpus = config.cluster.num_nodes * config.cluster.gpus_per_node
     assert config.placement.train_gpus + config.placement.rollout_gpus == gpus  # the whole cluster is used
+
+
+# ---- `megarl plan` and `megarl train --dry-run` agree --------------------------------------------------------------
+
+ALL_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+def _exit(argv: list[str], capsys) -> tuple[int, str]:
+    from megarl.cli import main
+
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.stem)
+def test_plan_and_dry_run_agree_on_every_shipped_config(path, capsys):
+    plan, plan_text = _exit(["plan", "--config", str(path)], capsys)
+    dry, dry_text = _exit(["train", "--config", str(path), "--dry-run"], capsys)
+    assert plan == dry == 0, plan_text + dry_text
+    assert "nothing was started" in dry_text
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected", "message"),
+    [
+        (["plan.gpu_memory_gb=40"], 1, "DOES NOT FIT"),  # the plan's memory verdict: train refuses to start
+        (["plan.host_memory_gb=1024"], 1, "exceeds 90% of plan.host_memory_gb=1024"),
+        (["actor.model.parallel.pp_last_stage_layers=4"], 2, "pp_last_stage_layers=4 leave 55"),  # pre-flight
+        (["rollout.weight_sync=ipc"], 2, "rollout.weight_sync=ipc reaches only the GPUs of one node"),
+    ],
+)
+def test_plan_and_dry_run_refuse_the_same_671b_variants(overrides, expected, message, capsys):
+    path = str(Path(__file__).resolve().parents[1] / "configs" / "grpo_deepseek_v3_671b.yaml")
+    plan, plan_text = _exit(["plan", "--config", path, *overrides], capsys)
+    dry, dry_text = _exit(["train", "--config", path, "--dry-run", *overrides], capsys)
+    assert plan == dry == expected
+    assert message in plan_text and message in dry_text
+
+
+def test_the_671b_plan_uses_uneven_stages_fp8_rollout_and_the_disk_road():
+    planned, _ = load_for_planning(Path(__file__).resolve().parents[1] / "configs" / "grpo_deepseek_v3_671b.yaml")
+    report = run_plan(planned)
+    text = report.render()
+    assert "tp 2 | pp 16 (first 2, last 3 layers) | vpp 1 | ep 8 | etp 1" in text
+    assert report.fits and report.role("actor").peak_bytes < 60 * 2**30
+    assert report.sync.transport.startswith("disk") and 100 < report.sync.seconds < 150
+    assert report.sync.total_bytes < 0.7e12  # FP8: about half of the 1.25 TB of bf16
+    assert 1.1 * 2**40 < report.host_bytes_per_node < 1.2 * 2**40
+    assert all("--json-model-override-args" in launch.command for launch in report.launches)
+    # the layout of slime's DeepSeek-R1 example plans inside the 1.4-1.6 TB per node teams report
+    slime, _ = load_for_planning(
+        Path(__file__).resolve().parents[1] / "configs" / "grpo_deepseek_v3_671b.yaml",
+        [
+            "actor.model.parallel.tp=8",
+            "actor.model.parallel.pp=4",
+            "actor.model.parallel.pp_first_stage_layers=null",
+            "actor.model.parallel.pp_last_stage_layers=13",
+            "actor.model.parallel.ep=32",
+        ],
+    )
+    assert 1.4e12 < run_plan(slime).host_bytes_per_node < 1.6e12  # TB as reported: 10^12 bytes

@@ -14,10 +14,12 @@ Terms (per node, GB = 2^30 bytes):
 
 Calibration: issue 16 quotes 1.4-1.6 TB per node reported by teams running colocated DeepSeek-V3 671B RL with CPU
 optimizer offload (verl's and slime's DeepSeek recipes; the pages were not re-read in this session, which had no
-network). The previous model counted only the first term and gave about 750 GB for configs/grpo_deepseek_v3_671b.yaml;
-with the terms above that config plans at about 1.4 TB per node (tests/test_plan_configs.py), inside the quoted
-range. PROCESS_HOST_GB is the per-process figure that closes the rest of the gap, consistent with the 4-8 GB RSS
-commonly seen per Megatron or SGLang rank on GPU nodes; to be measured on the first GPU run (tools/gpu/).
+network). The previous model counted only the first term: about 750 GB for the 671B job. With the terms above, the
+layout of slime's DeepSeek-R1 example (tp 8, pp 4 with 13 layers on the last stage, ep 32, 128 H100) plans at about
+1416 GB (2^30 bytes) per node, 1.52 TB, inside the quoted range, and configs/grpo_deepseek_v3_671b.yaml (tp 2,
+pp 16, ep 8) at about 1151 GB, 1.24 TB (tests/test_plan_configs.py pins both). PROCESS_HOST_GB is the per-process figure that closes the gap,
+consistent with the 4-8 GB RSS commonly seen per Megatron or SGLang rank on GPU nodes; to be measured on the first
+GPU run (tools/gpu/).
 """
 
 from __future__ import annotations
