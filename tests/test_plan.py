@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from megarl.plan.activations import ActivationLayout, layer_elements_per_token, train_activation_bytes
 from megarl.plan.memory import GB, RoleLayout, role_memory
 from megarl.plan.model_size import count_parameters, hf_config_from_dict, hf_numel, model_shape, stage_params

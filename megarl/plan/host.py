@@ -17,9 +17,9 @@ optimizer offload (verl's and slime's DeepSeek recipes; the pages were not re-re
 network). The previous model counted only the first term: about 750 GB for the 671B job. With the terms above, the
 layout of slime's DeepSeek-R1 example (tp 8, pp 4 with 13 layers on the last stage, ep 32, 128 H100) plans at about
 1416 GB (2^30 bytes) per node, 1.52 TB, inside the quoted range, and configs/grpo_deepseek_v3_671b.yaml (tp 2,
-pp 16, ep 8) at about 1151 GB, 1.24 TB (tests/test_plan_configs.py pins both). PROCESS_HOST_GB is the per-process figure that closes the gap,
-consistent with the 4-8 GB RSS commonly seen per Megatron or SGLang rank on GPU nodes; to be measured on the first
-GPU run (tools/gpu/).
+pp 16, ep 8) at about 1151 GB, 1.24 TB (tests/test_plan_configs.py pins both). PROCESS_HOST_GB is the
+per-process figure that closes the gap, consistent with the 4-8 GB RSS commonly seen per Megatron or SGLang rank on
+GPU nodes; to be measured on the first GPU run (tools/gpu/).
 """
 
 from __future__ import annotations
