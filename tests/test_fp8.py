@@ -249,3 +249,36 @@ def test_an_fp8_rollout_launch_command_carries_the_quantization(fp8_deepseek, tm
     rollout.weights_format = "bf16"
     (launch,) = engine_launches(rollout, fp8_deepseek, num_engines=1, first_gpu=0, gpus_per_node=8)
     assert "--json-model-override-args" not in launch.command
+
+
+def test_the_hf_engine_serves_an_fp8_checkpoint_dequantized(fp8_deepseek, dequantized_reference):
+    """CPU rollout from an FP8 model.path: the hf engine builds the model unquantized and reads the weights
+    dequantized: the same model, bit for bit, as from the dequantized reference, and the same completions."""
+    from megarl.rollout.config import HFEngineConfig, SamplingParams
+    from megarl.rollout.engine import GenerateRequest
+    from megarl.rollout.hf_engine import HFEngine
+
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    requests = [GenerateRequest([1, 5, 9, 12]), GenerateRequest([3, 3, 7])]
+    engines = [HFEngine(folder, HFEngineConfig(dtype="bfloat16")) for folder in (fp8_deepseek, dequantized_reference)]
+    states = [engine.model.state_dict() for engine in engines]
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][name], states[1][name]) for name in states[0])
+    outputs = [[c[0].token_ids for c in engine.generate(requests, sampling)] for engine in engines]
+    assert outputs[0] == outputs[1] and len(outputs[0][0]) == 6
+
+
+@pytest.mark.slow  # about a minute: a real `megarl train` run
+def test_a_grpo_run_trains_from_an_fp8_checkpoint(fp8_deepseek, tmp_path):
+    """model.path an FP8 DeepSeek-V3-shaped checkpoint, as a user would give the official release: the run starts,
+    trains a step (expert-parallel actor, CPU engine serving the dequantized weights) and saves a checkpoint that
+    remembers the FP8 format and converts back to bf16."""
+    from job_helpers import megarl_train, write_config
+
+    config = write_config(tmp_path, "[grpo]", num_steps=1, tp=2)
+    overrides = [f"model.path={fp8_deepseek}", "actor.model.parallel.tp=1", "actor.model.parallel.ep=2"]
+    megarl_train(config, *overrides, "checkpoint.every=1", "rl.prompts_per_step=4", timeout=900)
+    saved = tmp_path / "run" / "checkpoints" / "step_1" / "actor"
+    info = json.loads((saved / "megarl.json").read_text())
+    assert info["quantization"] == DEEPSEEK_QUANTIZATION and info["source"] == str(fp8_deepseek)
+    assert "quantization_config" not in json.loads((saved / "hf" / "config.json").read_text())

@@ -86,6 +86,8 @@ class HFEngine(RolloutEngine):
         self.tokenizer = self._build_tokenizer()
         self.eos_token_ids = self._eos_token_ids()
         self.weights = WeightLoader(self.model)
+        if self._fp8 is not None:
+            self._load_dequantized()
         self.weight_version = 0
         self._generator = torch.Generator().manual_seed(self.config.seed)  # seeds of unseeded requests
         self._lock = threading.Lock()
@@ -100,19 +102,33 @@ class HFEngine(RolloutEngine):
 
         if not (self.model_path / "config.json").is_file():
             raise UserError(f"hf engine: {self.model_path} is not a HF model folder (no config.json)")
+        from megarl.bridge.fp8 import BlockFP8
+
         dtype = getattr(torch, self.config.dtype)
-        if not any(self.model_path.glob("*.safetensors")):
-            # A config-only folder (a megarl checkpoint's hf/): the weights arrive with the first weight sync.
+        self._fp8 = BlockFP8.of_folder(self.model_path)
+        if not any(self.model_path.glob("*.safetensors")) or self._fp8 is not None:
+            # A config-only folder (a megarl checkpoint's hf/): the weights arrive with the first weight sync. An
+            # FP8 checkpoint: built unquantized, its weights read dequantized next (transformers' FP8 needs a GPU).
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
             config._attn_implementation = self.config.attn_implementation
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 self.model_path, dtype=dtype, attn_implementation=self.config.attn_implementation, local_files_only=True
             )
         return model.eval().requires_grad_(False).to(self.device)
+
+    def _load_dequantized(self) -> None:
+        """The weights of an FP8 checkpoint, dequantized (megarl.bridge.fp8) into the model, one tensor at a time."""
+        from megarl.bridge.safetensors_io import HFCheckpoint
+
+        checkpoint = HFCheckpoint(self.model_path, dequantize_to=getattr(torch, self.config.dtype))
+        for name in checkpoint.names:
+            self.weights.load([(name, checkpoint.get(name))])
 
     def _build_tokenizer(self):
         from transformers import AutoTokenizer
