@@ -72,7 +72,7 @@ def run_plan(config: JobConfig, config_path: str = "") -> PlanReport:
     memories, notes = _role_memories(config, roles, shapes, placement, longest)
     engine = None
     if rl and config.rollout.backend == "sglang":
-        engine = engine_memory(shapes["actor"][0], config.rollout.sglang, gpus)
+        engine = engine_memory(shapes["actor"][0], config.rollout.sglang, gpus, fp8=_serves_fp8(config))
     elif rl:
         notes.append(f"rollout.backend={config.rollout.backend}: the engine runs on the CPU; its memory is not planned")
     colocated_engine = engine is not None and config.placement.mode == "colocated"
@@ -323,9 +323,7 @@ def _rollout_report(
     layout = f"{placement.num_engines} engine(s) x {engine.tp} GPUs: tp {engine.tp}"
     if sg.enable_dp_attention:
         layout += f" | dp-attention {engine.dp}"
-    layout += (
-        f" | ep {engine.ep}; weights {engine.weight_dtype_bytes * 8}-bit, KV cache {engine.kv_dtype_bytes * 8}-bit"
-    )
+    layout += f" | ep {engine.ep}; weights {engine.weights_label}, KV cache {engine.kv_dtype_bytes * 8}-bit"
     fraction = f"mem_fraction_static {engine.mem_fraction:.2f}{' (assumed)' if engine.mem_fraction_assumed else ''}"
     notes = []
     if engine.mem_fraction_assumed:

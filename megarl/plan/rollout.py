@@ -50,6 +50,12 @@ class EngineMemory:
     """KV cache bytes of one token on one GPU."""
     weight_dtype_bytes: int
     kv_dtype_bytes: int
+    fp8: bool = False
+    """Weights served in block-wise FP8 (rollout.weights_format): decoder layers at one byte per weight."""
+
+    @property
+    def weights_label(self) -> str:
+        return "FP8 (embeddings, head 16-bit)" if self.fp8 else f"{self.weight_dtype_bytes * 8}-bit"
 
     @property
     def kv_bytes(self) -> float:
@@ -63,19 +69,21 @@ class EngineMemory:
         return int(self.kv_bytes // self.kv_bytes_per_token) * self.dp
 
 
-def engine_memory(shape: ModelShape, config: SGLangEngineConfig, gpu_bytes: float) -> EngineMemory:
+def engine_memory(shape: ModelShape, config: SGLangEngineConfig, gpu_bytes: float, fp8: bool = False) -> EngineMemory:
+    """One engine GPU's memory; fp8: the decoder layers' weights at one byte each (norms and routers included: a
+    slight overestimate of the savings' complement), embeddings and head at the served width."""
     attn_dp = config.dp if config.enable_dp_attention else 1
     attn_tp = config.tp // attn_dp
     w_bytes = _engine_dtype_bytes(config.dtype, shape.hf_dtype_bytes)
     kv_name = config.extra_args.get("kv_cache_dtype", "auto")
     kv_bytes = _KV_BYTES.get(kv_name, w_bytes)
-    numel = 0.0
+    numel = layers_numel = 0.0
     kv_heads = math.ceil(shape.num_kv_heads / attn_tp)
     for layer in shape.layers:
         for spec in layer:
-            numel += _engine_share(spec.name, spec.total(), spec.split, shape, config.tp, attn_tp, kv_heads)
+            layers_numel += _engine_share(spec.name, spec.total(), spec.split, shape, config.tp, attn_tp, kv_heads)
     vocab = shape.vocab_size * shape.hidden_size
-    numel += vocab / attn_tp * (1 if shape.tied_embeddings else 2) + shape.final_norm
+    numel = vocab / attn_tp * (1 if shape.tied_embeddings else 2) + shape.final_norm
     if shape.mla:
         per_token = shape.num_layers * (shape.mla["kv_lora_rank"] + shape.mla["qk_rope_head_dim"]) * kv_bytes
     else:
@@ -85,13 +93,14 @@ def engine_memory(shape: ModelShape, config: SGLangEngineConfig, gpu_bytes: floa
         tp=config.tp,
         dp=attn_dp,
         ep=config.ep,
-        weight_bytes=numel * w_bytes,
+        weight_bytes=numel * w_bytes + layers_numel * (1 if fp8 else w_bytes),
         static_bytes=(fraction or DEFAULT_MEM_FRACTION) * gpu_bytes,
         mem_fraction=fraction or DEFAULT_MEM_FRACTION,
         mem_fraction_assumed=fraction is None,
         kv_bytes_per_token=per_token,
         weight_dtype_bytes=w_bytes,
         kv_dtype_bytes=kv_bytes,
+        fp8=fp8,
     )
 
 
