@@ -22,7 +22,8 @@ import torch
 
 from megarl.rollout.config import SamplingParams, SGLangEngineConfig
 from megarl.rollout.engine import GenerateRequest
-from megarl.rollout.sglang_engine import build_generate_payload, context_length_of
+from megarl.rollout.sglang_engine import build_generate_payload
+from megarl.rollout.sglang_model import context_length_of
 from megarl.rollout.sglang_server import NodePlace, build_server_args
 from megarl.rollout.sglang_weights import flatten_bucket, unflatten
 
