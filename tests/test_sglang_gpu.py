@@ -156,3 +156,61 @@ def test_seeds_reproduce_completions_in_deterministic_mode(checkpoints, tmp_path
         assert len({tuple(c.token_ids) for c in first}) > 1  # each sample its own seed
     finally:
         engine.shutdown()
+
+
+def test_update_weights_from_disk(checkpoints, engine, tmp_path):
+    """The road of engines across nodes (rollout.weight_sync=disk): the senders' files, read by every rank."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from megarl.workers.weight_sync import SenderState, _write_bucket
+
+    state = hf_state(checkpoints[1])
+    for rank, bucket in enumerate([state[: len(state) // 2], state[len(state) // 2 :]]):  # two sending ranks
+        with (
+            mock.patch.object(dist, "is_initialized", lambda: True),
+            mock.patch.object(dist, "get_rank", lambda rank=rank: rank),
+        ):
+            _write_bucket(bucket, str(tmp_path), SenderState())
+    engine.begin_weight_update(3)
+    assert engine.load_weights_from_disk(str(tmp_path))[0] == len(state)
+    engine.finish_weight_update(3)
+    check_logprobs(checkpoints[1], engine)
+
+
+def test_fp8_rollout_serves_the_quantized_weights(tmp_path):
+    """rollout.weights_format=fp8: a server told the quantization_config (DeepSeek's 128 x 128 blocks) takes the
+    FP8 buckets megarl's senders make and generates with the log-probs of the dequantized model."""
+    import shutil
+
+    from megarl.bridge.fp8 import DEEPSEEK_QUANTIZATION, BlockFP8, dequantize, quantize_bucket
+    from megarl.rollout.sglang_engine import SGLangEngine
+    from megarl.testing.tiny_checkpoint import make_hf_checkpoint, tiny_config
+
+    # widths multiples of 128, as SGLang's block-FP8 layers need
+    config = dict(tiny_config("tiny-llama"), hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64)  # fmt: skip
+    folder = make_hf_checkpoint(config, tmp_path / "bf16", dtype=torch.bfloat16)
+    fp8 = BlockFP8.from_config(DEEPSEEK_QUANTIZATION, "test")
+    sent = quantize_bucket(hf_state(folder), fp8)
+    reference = tmp_path / "dequantized"  # what the FP8 weights stand for, as a bf16 HF folder
+    shutil.copytree(folder, reference)
+    from safetensors.torch import save_file
+
+    by_name = dict(sent)
+    save_file({name: dequantize(t, by_name[name + "_scale_inv"], fp8.block, torch.bfloat16) if name + "_scale_inv"
+               in by_name else t for name, t in sent if not name.endswith("_scale_inv")},
+              str(reference / "model.safetensors"))  # fmt: skip
+    config_only = tmp_path / "hf"
+    shutil.copytree(folder, config_only, ignore=shutil.ignore_patterns("*.safetensors"))
+    engine = SGLangEngine(config_only, server_config(), log_path=tmp_path / "s.log", quantization=fp8.config)
+    try:
+        engine.update_weights([sent], version=1)
+        sampling = SamplingParams(temperature=0.7, max_new_tokens=8, ignore_eos=True)
+        for prompt, (completion,) in zip(PROMPTS, engine.generate([GenerateRequest(p) for p in PROMPTS], sampling)):
+            want = reference_logprobs(reference, prompt, completion.token_ids, 0.7)
+            # FP8 activations (dynamic per-token-group scales) on top of a bf16 server: looser than check_logprobs
+            assert (torch.tensor(completion.logprobs) - want).abs().mean() < 0.2
+    finally:
+        engine.shutdown()
