@@ -134,8 +134,13 @@ def test_env_selects_gpus_and_drops_what_breaks_the_logprob_convention():
 
 
 def test_env_rejects_wrong_gpu_count():
-    with pytest.raises(ValueError, match=r"tp=2 needs 2 GPUs, got gpu_ids=\[0\]"):
+    with pytest.raises(ValueError, match=r"tp=2 on 1 node\(s\) needs 2 GPUs per node, got gpu_ids=\[0\]"):
         build_server_env(SGLangEngineConfig(tp=2), gpu_ids=[0], base={})
+    # an engine across nodes: each node's process sees that node's share of the GPUs
+    env = build_server_env(SGLangEngineConfig(tp=8), gpu_ids=[4, 5, 6, 7], base={}, nnodes=2)
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    with pytest.raises(ValueError, match=r"tp=8 on 2 node\(s\) needs 4 GPUs per node"):
+        build_server_env(SGLangEngineConfig(tp=8), gpu_ids=[0, 1], base={}, nnodes=2)
 
 
 # ---- config checks -----------------------------------------------------------------------------------------------
