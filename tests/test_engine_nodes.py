@@ -47,7 +47,7 @@ def cluster():
     cluster.shutdown()
 
 
-def start_engine(tmp_path, hf_checkpoint, port: int):
+def start_engine(tmp_path, hf_checkpoint, port: int, **fake_env: str):
     """One 4-GPU engine over both nodes, as start_roles places it; returns (group, records folder, pool)."""
     records = tmp_path / "records"
     records.mkdir()
@@ -55,7 +55,7 @@ def start_engine(tmp_path, hf_checkpoint, port: int):
     (engine,) = assign_engine_gpus(pool.bundle_gpu_ids(), 4)
     assert [first for first, _ in engine] == [0, 2]
     slots = [EngineNodeSlot(1, *pool.bundles[engine[1][0]], tuple(engine[1][1]))]
-    env = {NOSET_CUDA_VISIBLE_DEVICES: "1", "MEGARL_FAKE_SGLANG_DIR": str(records)}
+    env = {NOSET_CUDA_VISIBLE_DEVICES: "1", "MEGARL_FAKE_SGLANG_DIR": str(records), **fake_env}
     group = WorkerGroup(RolloutWorker, pool, "rollout", world_size=1, bundle_stride=4, env=env, timeouts=FAST)
     sglang = SGLangEngineConfig(tp=4, python=str(FAKE_SERVER), port=port, startup_timeout_s=60)
     config = RolloutConfig(backend="sglang", gpus_per_engine=4, sglang=sglang)
@@ -113,6 +113,23 @@ def test_a_node_leaving_the_cluster_is_named(cluster, tmp_path, hf_checkpoint):
         assert not health["ok"] and "node-rank 1 of the engine stopped: its Ray actor is unreachable" in health["error"]
     finally:
         stop(group, records, pool)
+
+
+def test_a_node_failing_at_start_up_is_named_at_once(cluster, tmp_path, hf_checkpoint):
+    """Node-rank 1's SGLang exits while node 0 waits for its engine to become healthy: the start fails naming the
+    node and its log, long before the start-up timeout (60 s here, an hour in the 671B config)."""
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        start_engine(
+            tmp_path, hf_checkpoint, port=31600, MEGARL_FAKE_SGLANG_FAIL_RANK="1", MEGARL_FAKE_SGLANG_READY_AFTER_S="50"
+        )
+    message = str(info.value)
+    assert "node-rank 1 of the engine stopped: SGLang server node-rank 1" in message and "exited with code 3" in message
+    assert "NCCL error: unhandled system error" in message  # the node's log tail
+    assert time.monotonic() - start < 45
+    for record in (tmp_path / "records").glob("node*.json"):  # the setup failed: nothing is left running
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(json.loads(record.read_text())["pid"], signal.SIGKILL)
 
 
 def stop(group, records: Path, pool) -> None:

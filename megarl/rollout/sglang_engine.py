@@ -300,6 +300,7 @@ class SGLangEngine(RolloutEngine):
         advertise_host: str | None = None,
         quantization: dict | None = None,
         node: NodePlace | None = None,
+        startup_watch: Callable[[], None] | None = None,
     ) -> None:
         self.model_path = str(model_path)
         self.config = config
@@ -349,6 +350,7 @@ class SGLangEngine(RolloutEngine):
                 env=build_server_env(config, gpu_ids, nnodes=(node or NodePlace()).nnodes),
                 log_path=log_path,
                 startup_timeout_s=config.startup_timeout_s,
+                watch=startup_watch,
             ).start()
         self.url = url
         self.advertised_url = url_of(advertise_host, int(url.rsplit(":", 1)[1])) if advertise_host else url

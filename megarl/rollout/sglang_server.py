@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -245,8 +245,12 @@ class SGLangServer:
         log_path: str | os.PathLike | None = None,
         startup_timeout_s: float = 600.0,
         poll_interval_s: float = 1.0,
+        watch: Callable[[], None] | None = None,
     ) -> None:
+        """watch: called at every readiness probe while starting; what it raises ends the start (a multi-node
+        engine's check of its other nodes: a node that failed is named at once, not after the timeout)."""
         self.command = list(command)
+        self.watch = watch
         self.url = url
         self.env = dict(env) if env is not None else None
         if log_path is None:
@@ -289,6 +293,8 @@ class SGLangServer:
         last_error = "no answer yet"
         while True:
             self.check_alive("while starting")
+            if self.watch is not None:
+                self.watch()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise SGLangServerError(

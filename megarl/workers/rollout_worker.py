@@ -109,6 +109,7 @@ class RolloutWorker(Worker):
             kwargs = sglang_launch_kwargs(config, gpu_ids, model_path) if config.backend == "sglang" else {}
             if nodes:
                 kwargs["node"] = self._start_other_nodes(model_path, config, kwargs, list(nodes))
+                kwargs["startup_watch"] = self.check_nodes  # a node that fails to start is named at once
             self.engine = build_engine(config.backend, str(hf_config_dir(model_path)), config, gpu_ids, **kwargs)
             self._sync_start = 0.0
             self._sync_tensors = self._sync_bytes = 0

@@ -2,8 +2,9 @@
 """Stands in for `python -m sglang.launch_server` where SGLang cannot run (no GPU): set as rollout.sglang.python.
 
 Records its arguments and environment in $MEGARL_FAKE_SGLANG_DIR/node<rank>.json. Node-rank 0 answers SGLang's
-health endpoints on --host/--port (as a real server does once every node of the engine has joined); other node
-ranks serve nothing, as SGLang's do, and wait until stopped.
+health endpoints on --host/--port (as a real server does once every node of the engine has joined), after
+$MEGARL_FAKE_SGLANG_READY_AFTER_S seconds if set; other node ranks serve nothing, as SGLang's do, and wait until
+stopped, or exit at once with code 3 when $MEGARL_FAKE_SGLANG_FAIL_RANK names them.
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ def main() -> None:
     folder = os.environ["MEGARL_FAKE_SGLANG_DIR"]
     with open(os.path.join(folder, f"node{known.node_rank}.json"), "w") as f:
         json.dump(record, f)
+    if os.environ.get("MEGARL_FAKE_SGLANG_FAIL_RANK") == str(known.node_rank):
+        print(f"node-rank {known.node_rank}: NCCL error: unhandled system error", flush=True)
+        sys.exit(3)
     if known.node_rank == 0:
+        time.sleep(float(os.environ.get("MEGARL_FAKE_SGLANG_READY_AFTER_S", "0")))
         HTTPServer((known.host, known.port), Health).serve_forever()
     while True:
         time.sleep(1)
