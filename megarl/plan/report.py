@@ -69,7 +69,8 @@ class PlanReport:
     placement: Placement
     roles: list[RoleReport]
     sync: SyncEstimate | None = None
-    sync_bandwidths: tuple[float, float] = (0.0, 0.0)
+    sync_bandwidths: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """GB/s inside a node, per GPU between nodes, of the shared file system."""
     host: HostMemory | None = None
     """Host memory of a training node (megarl/plan/host.py)."""
     host_memory_gb: float | None = None
@@ -157,7 +158,10 @@ def _render_role(role: RoleReport) -> list[str]:
     return out
 
 
-def _render_sync(sync: SyncEstimate, intra: float, inter: float) -> list[str]:
+def _render_sync(sync: SyncEstimate, intra: float, inter: float, shared_fs: float) -> list[str]:
+    links = f"{intra:g} GB/s inside a node and {inter:g} GB/s per GPU between nodes"
+    if sync.transport.startswith("disk"):
+        links = f"{shared_fs:g} GB/s of shared file system (plan.shared_fs_gbps)"
     return [
         "weight sync (actor -> rollout engines), one update",
         f"  bytes       {gb(sync.total_bytes)} GB of HF tensors; {sync.num_senders} sending rank(s), the busiest "
@@ -165,6 +169,5 @@ def _render_sync(sync: SyncEstimate, intra: float, inter: float) -> list[str]:
         f"  transport   {sync.transport}",
         f"  time        gather {sync.gather_s:.1f} s + transfer {sync.transfer_s:.1f} s + per-bucket calls "
         f"{sync.overhead_s:.1f} s = {sync.seconds:.1f} s",
-        f"              (a lower bound at {intra:g} GB/s inside a node and {inter:g} GB/s per GPU between nodes; "
-        "measured syncs run 1.5-3x longer)",
+        f"              (a lower bound at {links}; measured syncs run 1.5-3x longer)",
     ]
