@@ -49,7 +49,7 @@ class EngineNode:
 
         from megarl.rollout.sglang_server import SGLangServer, build_server_env
 
-        env = build_server_env(config, [int(i) for i in gpu_ids], nnodes=nnodes)
+        env = build_server_env(config, list(gpu_ids), nnodes=nnodes)  # ids as Ray gives them (indices or UUIDs)
         self.node_rank = node_rank
         self.server = SGLangServer(command, url=f"node-rank {node_rank}", env=env, log_path=log_path)
         self.server.start(wait_ready=False)
