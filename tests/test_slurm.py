@@ -334,8 +334,9 @@ def test_scancel_shuts_ray_down_and_leaves_nothing(slurm, tmp_path):
     _wait(lambda: not job_processes(job_id), 60, "the job's processes to exit")
     log = (job_dir / "logs" / "sbatch.log").read_text()
     # Either the script's TERM trap or, when the SIGTERM reaches the entry command first, its exit (143) starts the
-    # shutdown; both must stop Ray on every node and finish before Slurm's SIGKILL.
-    assert "stopping Ray on every node" in log, log
+    # shutdown; both must stop Ray on every node and finish before Slurm's SIGKILL. (scancel signals the Ray step
+    # too: under load it may have stopped its nodes before the trap looks, which the log then says.)
+    assert "stopping Ray on every node" in log or "Ray had already stopped on every node" in log, log
     assert "done (exit status 143)" in log, log
 
 
