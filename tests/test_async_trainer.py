@@ -86,7 +86,9 @@ def test_one_step_off_with_truncated_is_learns_and_never_trains_on_older_samples
 
 @pytest.mark.slow
 def test_ctrl_c_in_async_mode_saves_and_a_rerun_resumes(tmp_path):
-    config = write_async_config(tmp_path, 5, "mode: async, max_staleness: 1, stale_policy: wait")
+    # 8 steps: Ctrl-C after step 2 must land before the last step (a stop asked during the last step just finishes
+    # the run, exit 0); with 5 steps a loaded machine once logged steps 3-4 before the signal was handled
+    config = write_async_config(tmp_path, 8, "mode: async, max_staleness: 1, stale_policy: wait")
     run = tmp_path / "run"
     assert interrupt_after(config, run, step=2) == 130
     latest = run / "checkpoints" / (run / "checkpoints/latest").read_text().strip()
@@ -94,9 +96,9 @@ def test_ctrl_c_in_async_mode_saves_and_a_rerun_resumes(tmp_path):
     consumed = state["global_step"]
     assert state["data"]["prompts"]["position"] == 8 * consumed  # batches drawn ahead are not counted
     megarl_train(config)
-    assert [s["step"] for s in metrics(run)] == [1, 2, 3, 4, 5]
-    state = json.loads((run / "checkpoints/step_5/trainer_state.json").read_text())
-    assert state["data"]["prompts"]["position"] == 40 and state["weight_version"] == 6
+    assert [s["step"] for s in metrics(run)] == list(range(1, 9))
+    state = json.loads((run / "checkpoints/step_8/trainer_state.json").read_text())
+    assert state["data"]["prompts"]["position"] == 64 and state["weight_version"] == 9
     records = versions(run)
-    assert [r["batch"] for r in records] == [0, 1, 2, 3, 4]  # in-flight batches regenerated with the same numbers
+    assert [r["batch"] for r in records] == list(range(8))  # in-flight batches regenerated with the same numbers
     assert all(max(r["staleness"]) <= 1 for r in records)
