@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from megarl.bridge.fp8 import strip_quantization
 from megarl.bridge.safetensors_io import HFCheckpoint
-from megarl.checkpoint.model_dir import EXTRA_DIR, HF_DIR, hf_side_files, write_hf_tensors
+from megarl.checkpoint.model_dir import EXTRA_DIR, HF_DIR, read_side_files, write_hf_tensors
 
 _COPY_CHUNK_BYTES = 64 * 2**20
 
@@ -39,12 +38,12 @@ class CarriedFiles:
         if extra_dir.is_dir():
             for path in sorted(p for p in extra_dir.rglob("*") if p.is_file()):
                 handles[str(path.relative_to(extra_dir))] = open(path, "rb")  # noqa: SIM115 (kept open on purpose)
-        return cls(_read_side_files(folder / HF_DIR), handles)
+        return cls(read_side_files(folder / HF_DIR), handles)
 
     @classmethod
     def from_hf_folder(cls, folder: Path, carried_names: list[str]) -> CarriedFiles:
         """A HF model folder's side files (in memory) and the names of its tensors to carry."""
-        return cls(_read_side_files(folder), hf_tensors=(folder, carried_names) if carried_names else None)
+        return cls(read_side_files(folder), hf_tensors=(folder, carried_names) if carried_names else None)
 
     def write(self, folder: Path) -> None:
         """Write the side files into `folder/hf/` and the carried tensors (if any) into `folder/hf_extra/`."""
@@ -67,11 +66,3 @@ class CarriedFiles:
             handle.seek(0)
             with open(target, "wb") as out:
                 shutil.copyfileobj(handle, out, _COPY_CHUNK_BYTES)
-
-
-def _read_side_files(hf_dir: Path) -> dict[str, bytes]:
-    """The side files by name; config.json without a quantization_config (megarl's weights are dequantized)."""
-    files = {path.name: path.read_bytes() for path in hf_side_files(hf_dir)}
-    if "config.json" in files:
-        files["config.json"] = strip_quantization(files["config.json"])
-    return files

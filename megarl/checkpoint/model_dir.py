@@ -15,7 +15,6 @@ vocabulary; `layout` records only what it was written for.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -123,15 +122,22 @@ def hf_side_files(src: Path) -> list[Path]:
     return [path for path in sorted(Path(src).iterdir()) if path.is_file() and not is_weight_file(path.name)]
 
 
+def read_side_files(src: Path) -> dict[str, bytes]:
+    """`hf_side_files(src)` by name; config.json without a quantization_config (the weights megarl writes are never
+    quantized: FP8 checkpoints are read dequantized)."""
+    files = {path.name: path.read_bytes() for path in hf_side_files(src)}
+    if "config.json" in files:
+        files["config.json"] = strip_quantization(files["config.json"])
+    return files
+
+
 def copy_hf_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy `hf_side_files(src)` into `dst`."""
+    """Write `read_side_files(src)` into `dst`."""
     dst.mkdir(parents=True, exist_ok=True)
-    files = hf_side_files(src)
-    for path in files:
-        shutil.copy2(path, dst / path.name)
-        if path.name == "config.json":  # the weights megarl writes are never quantized
-            (dst / path.name).write_bytes(strip_quantization(path.read_bytes()))
-    return [path.name for path in files]
+    files = read_side_files(src)
+    for name, data in files.items():
+        (dst / name).write_bytes(data)
+    return list(files)
 
 
 def write_hf_tensors(

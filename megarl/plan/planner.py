@@ -71,8 +71,9 @@ def run_plan(config: JobConfig, config_path: str = "") -> PlanReport:
     longest = _longest_sample(config)
     memories, notes = _role_memories(config, roles, shapes, placement, longest)
     engine = None
+    fp8 = rl and _serves_fp8(config)
     if rl and config.rollout.backend == "sglang":
-        engine = engine_memory(shapes["actor"][0], config.rollout.sglang, gpus, fp8=_serves_fp8(config))
+        engine = engine_memory(shapes["actor"][0], config.rollout.sglang, gpus, fp8=fp8)
     elif rl:
         notes.append(f"rollout.backend={config.rollout.backend}: the engine runs on the CPU; its memory is not planned")
     colocated_engine = engine is not None and config.placement.mode == "colocated"
@@ -92,7 +93,7 @@ def run_plan(config: JobConfig, config_path: str = "") -> PlanReport:
             config.rollout.bucket_bytes,
             config.rollout.sglang.tp,
             config.weight_sync_transport(),
-            fp8=_serves_fp8(config),
+            fp8=fp8,
             shared_fs_gbps=config.plan.shared_fs_gbps,
         )
     launches = []

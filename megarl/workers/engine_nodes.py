@@ -13,7 +13,6 @@ before each generate and weight update and after any failed call, raising an err
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,20 +39,15 @@ class EngineNode:
 
     def __init__(self) -> None:
         self.server = None
-        self.node_rank = -1
 
-    def launch(self, config, command: list[str], gpu_ids: list[str], node_rank: int, nnodes: int, log_path=None) -> str:
-        """Start this node's SGLang process (`config`: the SGLangEngineConfig; not waiting for health: node 0
-        answers for the engine); returns the node's address."""
-        import ray
-
+    def launch(self, config, command: list[str], gpu_ids: list[str], node_rank: int, nnodes: int) -> None:
+        """Start this node's SGLang process (`config`: the SGLangEngineConfig); not waiting for health: node 0
+        answers for the engine."""
         from megarl.rollout.sglang_server import SGLangServer, build_server_env
 
         env = build_server_env(config, list(gpu_ids), nnodes=nnodes)  # ids as Ray gives them (indices or UUIDs)
-        self.node_rank = node_rank
-        self.server = SGLangServer(command, url=f"node-rank {node_rank}", env=env, log_path=log_path)
+        self.server = SGLangServer(command, url=f"node-rank {node_rank}", env=env)
         self.server.start(wait_ready=False)
-        return ray.util.get_node_ip_address()
 
     def problem(self) -> str | None:
         """None while this node's SGLang process runs; else what happened (exit code, log tail)."""
@@ -69,9 +63,7 @@ class EngineNode:
         return self.server.stop() if self.server is not None else None
 
 
-def start_engine_nodes(
-    slots: list[EngineNodeSlot], config, command_for, env: dict[str, str], log_dir: str | None = None
-) -> list:
+def start_engine_nodes(slots: list[EngineNodeSlot], config, command_for, env: dict[str, str]) -> list:
     """Start an EngineNode actor in each slot and launch its node's process (`config`: the SGLangEngineConfig,
     `command_for(node_rank)`: the command). Returns the actor handles (node-rank order)."""
     import ray
@@ -89,11 +81,10 @@ def start_engine_nodes(
                 num_gpus=0, num_cpus=0, scheduling_strategy=strategy, runtime_env={"env_vars": env}, max_restarts=0
             ).remote()
         )
-    logs = [os.path.join(log_dir, f"sglang-node{s.node_rank}.log") if log_dir else None for s in slots]
     ray.get(
         [
-            node.launch.remote(config, command_for(slot.node_rank), list(slot.gpu_ids), slot.node_rank, nnodes, log)
-            for node, slot, log in zip(nodes, slots, logs)
+            node.launch.remote(config, command_for(slot.node_rank), list(slot.gpu_ids), slot.node_rank, nnodes)
+            for node, slot in zip(nodes, slots)
         ]
     )
     return nodes
