@@ -24,6 +24,7 @@ from megarl.algorithms.registry import (
 from megarl.errors import UserError
 
 OFF_POLICY_LEVELS = ("token", "sequence")
+ROUTING_REPLAY_MODES = ("off", "rollout", "old_logprob")
 
 
 def _prefix(key: str) -> str:
@@ -250,10 +251,22 @@ class AlgorithmConfig:
     """DAPO dynamic sampling and overlong shaping."""
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     """Importance-sampling correction against the rollout engine's log-probs."""
+    routing_replay: str = "off"
+    """MoE models: which expert choices the trainer's forward passes use (workers/routing_replay.py). `rollout`
+    (R3): the experts the rollout engine chose for every token, in the old-log-prob pass and every update (the
+    routing weights still come from the live router, so the router learns); `old_logprob`: the choices of the
+    actor's own old-log-prob pass, replayed in the updates; `off`: live routing everywhere."""
+    routing_invalid: str = "error"
+    """A sample whose recorded routing cannot be replayed (wrong shape, expert ids out of range, not recorded):
+    `error` stops the run naming the sample and layer; `live` routes that sample live and counts it
+    (rollout/routing_fallback_samples)."""
 
     def check(self, key: str) -> None:
         """Checks across sections (the loader checks each section itself)."""
         p = _prefix(key)
+        for name, valid in (("routing_replay", ROUTING_REPLAY_MODES), ("routing_invalid", ("error", "live"))):
+            if getattr(self, name) not in valid:
+                raise UserError(f"{p}{name}={getattr(self, name)!r}: valid are {', '.join(valid)}")
         estimator = self.advantage.estimator
         ADVANTAGE_ESTIMATORS.check(estimator, f"{p}advantage.estimator")
         if self.dapo.dynamic_sampling and not ADVANTAGE_ESTIMATORS.traits(estimator).get("needs_groups", False):

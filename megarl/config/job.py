@@ -217,6 +217,12 @@ class JobConfig:
                 "rl.mode=async (asynchronous RL) needs placement.mode=split: rollout and training run at the same "
                 "time on different GPUs"
             )
+        if self.algorithm.routing_replay == "rollout" and self.rollout.routed_experts == "off":
+            raise UserError(
+                "algorithm.routing_replay=rollout replays the experts the rollout engine chose, but "
+                "rollout.routed_experts=off does not record them; use rollout.routed_experts=auto, or "
+                "algorithm.routing_replay=old_logprob"
+            )
         if self.rl_stages:
             self.weight_sync_transport()  # a choice the placement or layout rules out is refused here
         if self.placement.mode == "split" and self.placement.rollout_gpus % self.rollout.gpus_per_engine:

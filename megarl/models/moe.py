@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from megarl.bridge.mappings import Direct, Mapping
 from megarl.errors import UserError
 from megarl.models.weight_table import HF_LAYER, MCORE_LAYER, swiglu_mappings
@@ -34,6 +36,23 @@ def after_first_k_dense(hf_config) -> list[bool]:
 
 
 @dataclass(frozen=True)
+class RoutingLayout:
+    """What one token's routing looks like in a model: the experts chosen in each MoE layer (R3 replays it)."""
+
+    moe_layers: tuple[int, ...]
+    """Global ids of the decoder layers that route (dense layers, e.g. DeepSeek's first k, are left out)."""
+    num_experts: int
+    topk: int
+    num_layers: int
+    """All decoder layers, MoE or dense (SGLang reports a row for each)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compact dtype of expert ids: uint8 up to 256 experts, int16 beyond."""
+        return torch.uint8 if self.num_experts <= 256 else torch.int16
+
+
+@dataclass(frozen=True)
 class MoE:
     """A family's mixture-of-experts layout and routing, as its HF config and checkpoint express them."""
 
@@ -54,6 +73,15 @@ class MoE:
 
     def num_experts(self, hf_config) -> int:
         return int(getattr(hf_config, self.num_experts_key))
+
+    def routing_layout(self, hf_config) -> RoutingLayout:
+        sparse = self.sparse_layers(hf_config)
+        return RoutingLayout(
+            moe_layers=tuple(i for i, is_sparse in enumerate(sparse) if is_sparse),
+            num_experts=self.num_experts(hf_config),
+            topk=int(hf_config.num_experts_per_tok),
+            num_layers=len(sparse),
+        )
 
     def check_supported(self, hf_config) -> None:
         experts, topk = self.num_experts(hf_config), hf_config.num_experts_per_tok

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megarl.errors import UserError
 from megarl.models.architecture import Architecture
-from megarl.models.moe import MoE, after_first_k_dense, every_layer, qwen_sparse_layers
+from megarl.models.moe import MoE, RoutingLayout, after_first_k_dense, every_layer, qwen_sparse_layers
 
 _SLIDING = "sliding-window attention is not implemented by Megatron-Core's local attention"
 
@@ -64,3 +64,9 @@ def get_architecture(model_type: str | None) -> Architecture:
     raise UserError(
         f"config.json model_type={model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
     )
+
+
+def routing_layout(hf_config) -> RoutingLayout | None:
+    """The routing a token takes through this model (MoE layers, experts, top-k); None for a dense model."""
+    moe = get_architecture(getattr(hf_config, "model_type", None)).moe
+    return moe.routing_layout(hf_config) if moe is not None else None

@@ -206,6 +206,10 @@ class RolloutConfig:
     """The weights the engines serve: `fp8` (block-wise 128x128 e4m3 with weight_scale_inv, as DeepSeek-V3/R1
     publish theirs; the sending ranks quantize at every sync, training stays bf16; SGLang only), `bf16` (the training
     weights as they are), or `auto`: the format of the checkpoint the run started from (model.path)."""
+    routed_experts: Literal["auto", "off"] = "auto"
+    """MoE models: the engines record the experts each token was routed to (megarl/rollout/routing.py; SGLang
+    --enable-return-routed-experts), for algorithm.routing_replay=rollout and the rollout/routing_* metrics. `auto`:
+    on for MoE models; `off`: not recorded (no replay from the rollout, no agreement metric)."""
     verify_sync: Literal["first", "every", "never"] = "first"
     """Check that the engine holds the weights just sent (SGLang: checksums of a sample of tensors through its
     weights checker; a mismatch stops the run naming the tensor): after the first sync, after every sync, or
@@ -228,5 +232,7 @@ class RolloutConfig:
                 f"{key}.weights_format=fp8 needs {key}.backend=sglang (the hf engine computes in {key}.hf.dtype); "
                 "use auto or bf16"
             )
+        if self.routed_experts not in ("auto", "off"):
+            raise UserError(f"{key}.routed_experts={self.routed_experts!r}: valid are auto, off")
         if self.bucket_bytes < 2**20:
             raise UserError(f"{key}.bucket_bytes={self.bucket_bytes} must be at least 1 MiB")

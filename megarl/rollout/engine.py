@@ -63,6 +63,9 @@ class Completion:
     token_versions: list[int] = field(default_factory=list)
     """Weight version that generated each token (differs from weight_version only for resumed partial rollouts)."""
     request_id: str | None = None
+    routed_experts: torch.Tensor | None = None
+    """The experts each token was routed to, when the engine records them (MoE models): [len(prompt + token_ids) -
+    1, moe_layers, topk], row t for token t (megarl/rollout/routing.py)."""
 
 
 @dataclass

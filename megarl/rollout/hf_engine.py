@@ -29,6 +29,7 @@ from megarl.rollout.config import HFEngineConfig, SamplingParams
 from megarl.rollout.engine import MEMORY_TAGS, Bucket, Completion, GenerateRequest, RolloutEngine, sample_seed
 from megarl.rollout.hf_sampling import StopStringWatcher, sample_tokens
 from megarl.rollout.hf_weights import WeightLoader
+from megarl.rollout.routing import RoutingRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class _Rollout:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    routing: list[torch.Tensor] = field(default_factory=list)
+    """Experts chosen for the tokens fed so far [positions, moe_layers, topk] per forward (when recorded)."""
 
     def append(self, token_id: int, logprob: float, version: int) -> None:
         self.token_ids.append(token_id)
@@ -69,13 +72,14 @@ class _Rollout:
             weight_version=weight_version,
             token_versions=[*p.prefix_versions, *self.versions],
             request_id=request_id,
+            routed_experts=torch.cat(self.routing) if self.routing else None,
         )
 
 
 class HFEngine(RolloutEngine):
     """`RolloutEngine` over a transformers causal LM loaded from a local HF folder."""
 
-    def __init__(self, model_path: str | Path, config: HFEngineConfig | None = None):
+    def __init__(self, model_path: str | Path, config: HFEngineConfig | None = None, record_routing: bool = False):
         self.config = config or HFEngineConfig()
         self.config.check("rollout.hf")
         self.model_path = Path(model_path)
@@ -86,6 +90,7 @@ class HFEngine(RolloutEngine):
         self.tokenizer = self._build_tokenizer()
         self.eos_token_ids = self._eos_token_ids()
         self.weights = WeightLoader(self.model)
+        self.routing = self._routing_recorder() if record_routing else None
         if self._fp8 is not None:
             self._load_dequantized()
         self.weight_version = 0
@@ -121,6 +126,13 @@ class HFEngine(RolloutEngine):
                 self.model_path, dtype=dtype, attn_implementation=self.config.attn_implementation, local_files_only=True
             )
         return model.eval().requires_grad_(False).to(self.device)
+
+    def _routing_recorder(self) -> RoutingRecorder | None:
+        """Records the experts of every token fed (R3: megarl/rollout/routing.py); None for a dense model."""
+        from megarl.models.registry import routing_layout
+
+        layout = routing_layout(self.model.config)
+        return RoutingRecorder(self.model, layout) if layout is not None else None
 
     def _load_dequantized(self) -> None:
         """The weights of an FP8 checkpoint, dequantized (megarl.bridge.fp8) into the model, one tensor at a time."""
@@ -252,6 +264,10 @@ class HFEngine(RolloutEngine):
         )
         cache = DynamicCache(config=self.model.config)
         logits_UV = self._forward(input_ids_UL, attention_mask_UL, position_ids_UL, cache)
+        if self.routing is not None:  # each rollout gets its context's routing (left padding dropped)
+            routed_UL = self.routing.take().view(len(contexts), length, *self.routing.layout_shape)
+            for rollout, u in zip(rollouts, row_of_rollout):
+                rollout.routing.append(routed_UL[u, length - len(rollout.context) :])
         rows_B = torch.tensor(row_of_rollout, device=device)
         if len(contexts) != len(rollouts):
             cache.batch_select_indices(rows_B)
@@ -282,6 +298,10 @@ class HFEngine(RolloutEngine):
             attention_mask_BL = torch.cat([attention_mask_BL, attention_mask_BL.new_ones(len(active), 1)], dim=1)
             logits_BV = self._forward(tokens_B[:, None], attention_mask_BL, next_position_B[:, None], cache)
             next_position_B = next_position_B + 1
+            if self.routing is not None:  # the routing of each row's token just fed
+                routed_B = self.routing.take()
+                for i, rollout in enumerate(active):
+                    rollout.routing.append(routed_B[i : i + 1])
 
     def abort(self) -> None:
         """Interrupt the generate call in progress (checked before every decode step): its unfinished completions

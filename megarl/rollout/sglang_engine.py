@@ -64,8 +64,10 @@ from typing import Any, Literal
 import torch
 
 from megarl.errors import UserError
+from megarl.models.moe import RoutingLayout
 from megarl.rollout.config import SamplingParams, SGLangEngineConfig
 from megarl.rollout.engine import Bucket, Completion, FinishReason, GenerateRequest, RolloutEngine, sample_seed
+from megarl.rollout.routing import decode_sglang_routing, engine_routing_layout
 from megarl.rollout.sglang_client import SGLangClient, SGLangError
 from megarl.rollout.sglang_model import context_length_of, served_dtype
 from megarl.rollout.sglang_server import (
@@ -225,8 +227,11 @@ def _version_of(value: Any, default: int) -> int:
         return default
 
 
-def parse_completion(item: dict[str, Any], request: GenerateRequest, current_version: int) -> Completion:
-    """One /generate result item as a Completion (prefix included). Raises SGLangError on a malformed item."""
+def parse_completion(
+    item: dict[str, Any], request: GenerateRequest, current_version: int, routing: RoutingLayout | None = None
+) -> Completion:
+    """One /generate result item as a Completion (prefix included). Raises SGLangError on a malformed item.
+    `routing`: decode the item's routed experts (meta_info["routed_experts"]) for this model's MoE layers."""
     try:
         meta = item["meta_info"]
         output_ids = [int(t) for t in item["output_ids"]]
@@ -256,7 +261,18 @@ def parse_completion(item: dict[str, Any], request: GenerateRequest, current_ver
         weight_version=version,
         token_versions=list(request.prefix_versions) + token_versions,
         request_id=request.request_id,
+        routed_experts=_routed_experts(meta, routing),
     )
+
+
+def _routed_experts(meta: dict[str, Any], routing: RoutingLayout | None) -> torch.Tensor | None:
+    """The item's routed experts, decoded; None when not asked for or not returned (the trainer then says so)."""
+    if routing is None or not meta.get("routed_experts"):
+        return None
+    try:
+        return decode_sglang_routing(meta["routed_experts"], routing)
+    except ValueError as e:
+        raise SGLangError(f"request {meta.get('id')!r}: {e}") from None
 
 
 def _prefix_only(request: GenerateRequest, version: int) -> Completion:
@@ -301,8 +317,11 @@ class SGLangEngine(RolloutEngine):
         quantization: dict | None = None,
         node: NodePlace | None = None,
         startup_watch: Callable[[], None] | None = None,
+        record_routing: bool = False,
     ) -> None:
         self.model_path = str(model_path)
+        self.routing = engine_routing_layout("auto", model_path) if record_routing else None
+        """What the server records of each token's routed experts (MoE models; None: nothing)."""
         self.config = config
         self.weight_sync = weight_sync
         self.serializer = serializer
@@ -345,6 +364,7 @@ class SGLangEngine(RolloutEngine):
                     load_format=self.load_format,
                     quantization=quantization,
                     node=node or NodePlace(),
+                    return_routed_experts=self.routing is not None,
                 ),
                 url,
                 env=build_server_env(config, gpu_ids, nnodes=(node or NodePlace()).nnodes),
@@ -389,6 +409,8 @@ class SGLangEngine(RolloutEngine):
         if self.not_serving is not None:
             raise SGLangError(f"SGLang engine {self.url} refuses to generate: {self.not_serving}", url=self.url)
         payload, slots = build_generate_payload(requests, sampling, self._draw_seed, self.context_len)
+        if payload is not None and self.routing is not None:
+            payload["return_routed_experts"] = True
         dropped = sum(slot.dropped for slot in slots)
         if dropped:
             self.num_dropped += dropped
@@ -417,7 +439,8 @@ class SGLangEngine(RolloutEngine):
             if slot.max_new_tokens == 0:
                 results[slot.request_index].append(_prefix_only(request, self.weight_version))
             else:
-                results[slot.request_index].append(parse_completion(next(sent), request, self.weight_version))
+                completion = parse_completion(next(sent), request, self.weight_version, self.routing)
+                results[slot.request_index].append(completion)
         return results
 
     def _draw_seed(self) -> int:

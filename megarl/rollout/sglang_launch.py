@@ -66,10 +66,12 @@ def engine_launches(
 ) -> list[EngineLaunch]:
     """Every server process of every engine, in engine order then node rank. Engines tile the rollout GPUs from
     cluster GPU `first_gpu` on (placement.rollout_first_gpu)."""
+    from megarl.rollout.routing import engine_routing_layout
     from megarl.rollout.weights_format import rollout_quantization
 
     sglang = rollout.sglang
     quantization = rollout_quantization(rollout, model_path)
+    routed_experts = engine_routing_layout(rollout.routed_experts, model_path) is not None
     gpe = rollout.gpus_per_engine
     nodes_per_engine = max(1, gpe // gpus_per_node)
     gpus_on_node = min(gpe, gpus_per_node)
@@ -93,6 +95,7 @@ def engine_launches(
                 load_format="dummy",
                 node=place,
                 quantization=quantization,
+                return_routed_experts=routed_experts,
             )
             gpus = tuple(range(local_first, local_first + gpus_on_node))
             launches.append(EngineLaunch(engine, node, node_rank, gpus, port, command))

@@ -107,11 +107,13 @@ def build_server_args(
     load_format: str | None = None,
     node: NodePlace = NodePlace(),
     quantization: dict | None = None,
+    return_routed_experts: bool = False,
 ) -> list[str]:
     """The server's arguments (without the interpreter and module), in a fixed order. `load_format` "dummy" starts
     without reading weights (random values until the first sync). `quantization`: the quantization_config the
     weights arrive in (rollout.weights_format=fp8), given to SGLang as an override of the model's config (the
-    rollout folder's config.json describes the bf16 weights megarl trains)."""
+    rollout folder's config.json describes the bf16 weights megarl trains). `return_routed_experts`: keep the
+    experts each token was routed to, for requests that ask (R3, megarl/rollout/routing.py)."""
     args = ["--model-path", str(model_path), "--host", host, "--port", str(port)]
     if load_format is not None:
         args += ["--load-format", load_format]
@@ -137,6 +139,7 @@ def build_server_args(
         "--enable-deterministic-inference": config.deterministic,
         "--enable-memory-saver": config.enable_memory_saver,
         "--skip-server-warmup": config.skip_server_warmup,
+        "--enable-return-routed-experts": return_routed_experts,
     }
     args += [flag for flag, on in switches.items() if on]
     overrides = json.loads(config.extra_args.get("json_model_override_args") or "{}")
@@ -166,6 +169,7 @@ def build_server_command(
     load_format: str | None = None,
     node: NodePlace = NodePlace(),
     quantization: dict | None = None,
+    return_routed_experts: bool = False,
 ) -> list[str]:
     """`python -m sglang.launch_server ...` with `config.python` (default: this interpreter)."""
     head = [config.python or sys.executable, "-m", "sglang.launch_server"]
@@ -178,6 +182,7 @@ def build_server_command(
         load_format=load_format,
         node=node,
         quantization=quantization,
+        return_routed_experts=return_routed_experts,
     )
 
 

@@ -38,6 +38,7 @@ from megarl.trainer.engine_sync import WeightSync
 from megarl.trainer.roles import Roles
 from megarl.trainer.rollout_buffer import OLDEST_VERSION, RolloutBuffer, TakenBatch
 from megarl.trainer.rollout_producer import DynamicSampling, EngineGroup, RolloutProducer
+from megarl.trainer.routing import routing_plan
 from megarl.trainer.run_checkpoint import TrainerState
 from megarl.trainer.steps import Steps
 
@@ -66,6 +67,7 @@ def run_async_rl(
     actor_loss = PolicyLoss(algorithm.policy_loss, algorithm.off_policy)
     critic_loss = ValueLoss(algorithm.value_loss) if roles.critic is not None else None
     position = ConsumedPosition(sampler)
+    routing = routing_plan(config)  # MoE models: routing replay and its metrics
     samplers = {"prompts": position}
     try:
         with (
@@ -78,7 +80,7 @@ def run_async_rl(
                     taken = producer.next_batch(actor_version)  # generated and scored by the producer thread
                 batch, metrics = taken.item.batch, dict(taken.item.metrics)
                 with steps.phase("logprobs"):
-                    batch, logprob_metrics = rl_steps.add_logprobs(batch, roles, temperature)
+                    batch, logprob_metrics = rl_steps.add_logprobs(batch, roles, temperature, routing)
                     batch, advantage_metrics = rl_steps.add_advantages(batch, algorithm)
                 metrics.update(logprob_metrics | advantage_metrics | is_weight_metrics(batch, algorithm.off_policy))
                 with steps.phase("update"):
@@ -126,6 +128,7 @@ def _producer(
         dynamic_sampling=DynamicSampling(dapo.max_sampling_rounds, rl.prompts_per_step)
         if dapo.dynamic_sampling
         else None,
+        routing=routing_plan(config),
     )
 
 

@@ -16,6 +16,7 @@ from megarl.trainer.engine_sync import WeightSync
 from megarl.trainer.handover import Handover
 from megarl.trainer.roles import Roles
 from megarl.trainer.rollout_step import generate_batch, rollout_metrics
+from megarl.trainer.routing import RoutingPlan, routing_plan
 from megarl.trainer.steps import Steps
 
 
@@ -34,13 +35,14 @@ def run_rl(
     actor_loss = PolicyLoss(algorithm.policy_loss, algorithm.off_policy)
     critic_loss = ValueLoss(algorithm.value_loss) if roles.critic is not None else None
     samplers = {"prompts": sampler}
+    routing = routing_plan(config)  # MoE models: routing replay and its metrics
     while steps.state.step < rl.num_steps:
         # generate + reward (+ DAPO refill); colocated: the engines hold the GPUs
-        batch, metrics, num_tokens = _rollouts(config, roles, tokenizer, rewards, sampler, steps, handover)
+        batch, metrics, num_tokens = _rollouts(config, roles, tokenizer, rewards, sampler, steps, handover, routing)
         with steps.phase("handover"):
             handover.to_training()  # colocated: the engines release the GPUs, the roles onload
         with steps.phase("logprobs"):
-            batch, logprob_metrics = rl_steps.add_logprobs(batch, roles, temperature)
+            batch, logprob_metrics = rl_steps.add_logprobs(batch, roles, temperature, routing)
             batch, advantage_metrics = rl_steps.add_advantages(batch, algorithm)
         metrics.update(logprob_metrics | advantage_metrics)
         with steps.phase("update"):
@@ -52,7 +54,14 @@ def run_rl(
 
 
 def _rollouts(
-    config: JobConfig, roles: Roles, tokenizer, rewards: RewardRunner, sampler: PromptSampler, steps: Steps, handover
+    config: JobConfig,
+    roles: Roles,
+    tokenizer,
+    rewards: RewardRunner,
+    sampler: PromptSampler,
+    steps: Steps,
+    handover: Handover,
+    routing: RoutingPlan | None,
 ) -> tuple[Batch, dict[str, float], int]:
     """A scored rollout batch of rl.prompts_per_step prompt groups. With DAPO dynamic sampling, groups whose
     completions all scored the same carry no signal: they are dropped and more prompts are drawn, up to
@@ -64,14 +73,16 @@ def _rollouts(
         with steps.phase("rollout"):
             handover.to_rollout()  # a no-op unless the roles took the GPUs back (e.g. for a checkpoint)
             seed_step = steps.state.global_step * 1000 + draw  # every draw of every step gets its own seeds
-            rollout = generate_batch(roles.rollout, next(sampler), sampling, tokenizer, config.run.seed, seed_step)
+            rollout = generate_batch(
+                roles.rollout, next(sampler), sampling, tokenizer, config.run.seed, seed_step, routing
+            )
         with steps.phase("reward"):
             batch, reward_metrics = rl_steps.reward_batch(
                 rollout.batch, rewards, algorithm, sampling.max_new_tokens, roles.reward_model, rm_coef
             )
         num_tokens += rollout.num_tokens
         if draw == 0:
-            metrics = rollout_metrics(batch) | reward_metrics
+            metrics = rollout_metrics(batch) | reward_metrics | rollout.metrics
         if not dapo.dynamic_sampling:
             return batch, metrics, num_tokens
         keep, kept = keep_groups(batch["scores"], batch["group_ids"])

@@ -18,6 +18,7 @@ from megarl.algorithms.dapo import add_to_last_token, apply_overlong_penalty
 from megarl.data.batch import Batch
 from megarl.rewards.runner import RewardRunner
 from megarl.rewards.types import RewardSample
+from megarl.trainer.routing import ROUTING_FIELDS, RoutingPlan, agreement_metrics, without_routing
 
 
 def score_rollout(
@@ -61,12 +62,22 @@ def token_rewards(batch: Batch, scores_B: torch.Tensor, algorithm: AlgorithmConf
     return batch.with_tensors(token_rewards=rewards, scores=scores_B)
 
 
-def add_logprobs(batch: Batch, roles, temperature: float) -> tuple[Batch, dict[str, float]]:
-    """old_logprobs (and entropy) from the actor, ref_logprobs from the ref model, old_values from the critic."""
-    out = roles.actor.call("compute_logprobs", batch, temperature, True, dispatch="dp_split", collect="dp_leaders")
+def add_logprobs(
+    batch: Batch, roles, temperature: float, routing: RoutingPlan | None = None
+) -> tuple[Batch, dict[str, float]]:
+    """old_logprobs (and entropy) from the actor, ref_logprobs from the ref model, old_values from the critic.
+    MoE models (`routing`): the actor's pass compares, replays or records the routing (trainer/routing.py)."""
+    mode = routing.logprob_pass if routing is not None else "off"
+    out = roles.actor.call(
+        "compute_logprobs", batch, temperature, True, mode, dispatch="dp_split", collect="dp_leaders"
+    )
     tensors = {"old_logprobs": out["logprobs"]}
     mask = batch["response_mask"].float()
     metrics = {"actor/entropy": _masked_mean(out["entropy"], mask)}
+    if "routing_agree" in out:
+        metrics |= agreement_metrics(out["routing_agree"], out["routing_observed"])
+    if mode == "record":  # old_logprob replay: the updates replay what this pass chose
+        tensors |= {name: out[name] for name in ROUTING_FIELDS}
     if roles.ref is not None:
         ref = roles.ref.call("compute_logprobs", batch, temperature, dispatch="dp_split", collect="dp_leaders")
         tensors["ref_logprobs"] = ref["logprobs"]
@@ -118,7 +129,8 @@ def update_actor(
         dispatch="dp_split",
         collect="rank0",
     )
-    return {f"actor/{name}": value for name, value in metrics.items()}
+    routing = {"rollout/routing_replayed": metrics.pop("routing_replayed")} if "routing_replayed" in metrics else {}
+    return {f"actor/{name}": value for name, value in metrics.items()} | routing
 
 
 def update_critic(batch: Batch, roles, loss_fn, algorithm: AlgorithmConfig, norm_len: int) -> dict[str, float]:
@@ -170,6 +182,8 @@ def update(
     trains every step, the actor when `train_actor` (after rl.critic_warmup_steps)."""
     rl, algorithm = config.rl, config.algorithm
     norm_len = config.rollout.sampling.max_new_tokens
+    if algorithm.routing_replay == "off":
+        batch = without_routing(batch)  # live routing in the updates
     updates = []
     for _ in range(rl.ppo_epochs):
         for mini in mini_batches(batch, rl.mini_batches):

@@ -38,6 +38,7 @@ from megarl.rollout.engine import Completion, GenerateRequest, sample_seed
 from megarl.trainer.rl_steps import renumber_groups
 from megarl.trainer.rollout_buffer import OLDEST_VERSION, BufferClosed, RolloutBuffer, ScoredBatch, TakenBatch
 from megarl.trainer.rollout_step import collate_rollout, generate_on_engines, request_seed, rollout_metrics
+from megarl.trainer.routing import RoutingPlan
 
 T = TypeVar("T")
 
@@ -102,8 +103,11 @@ class RolloutProducer:
         max_batches: int | None = None,
         partial_rollout: Literal["abort", "resume"] = "resume",
         dynamic_sampling: DynamicSampling | None = None,
+        routing: RoutingPlan | None = None,
     ):
         self.engines = engines
+        self.routing = routing
+        """MoE models: the engines' routing goes into each batch (trainer/routing.py)."""
         self.sampler = sampler
         self.score = score
         self.tokenizer = tokenizer
@@ -249,7 +253,7 @@ class RolloutProducer:
             data_state = self.sampler.state_dict()
             start, idle_before = time.perf_counter(), self._idle_total_s
             completions, interrupted = self._generate(samples, number * 1000 + draw)
-            result = collate_rollout(samples, completions, self.tokenizer)
+            result = collate_rollout(samples, completions, self.tokenizer, self.routing)
             batch = _with_oldest_versions(result.batch, [c for group in completions for c in group])
             scored_at = time.perf_counter()
             batch, reward_metrics = self.score(batch)
@@ -258,7 +262,7 @@ class RolloutProducer:
             num_tokens += result.num_tokens
             num_interrupted += interrupted
             if draw == 0:
-                metrics = rollout_metrics(batch) | reward_metrics
+                metrics = rollout_metrics(batch) | reward_metrics | result.metrics
             if dynamic is None:
                 break
             keep, kept = keep_groups(batch["scores"], batch["group_ids"])

@@ -12,7 +12,7 @@ finish reason, weight version.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ from megarl.data.collate import make_rl_batch
 from megarl.data.prompts import PromptSample
 from megarl.rollout.config import SamplingParams
 from megarl.rollout.engine import Completion, GenerateRequest, sample_seed
+from megarl.trainer.routing import RoutingPlan, add_rollout_routing
 
 
 @dataclass
@@ -28,6 +29,7 @@ class RolloutResult:
     batch: Batch
     num_tokens: int
     """Generated tokens (all completions)."""
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def request_seed(run_seed: int, step: int, index: int) -> int:
@@ -41,6 +43,7 @@ def generate_batch(
     tokenizer,
     run_seed: int,
     step: int,
+    routing: RoutingPlan | None = None,
 ) -> RolloutResult:
     """Generate `sampling.n` completions per prompt on the rollout engines and collate them."""
     requests = [
@@ -48,7 +51,7 @@ def generate_batch(
         for i, s in enumerate(samples)
     ]
     completions = generate_on_engines(rollout_group, requests, sampling)
-    return collate_rollout(samples, completions, tokenizer)
+    return collate_rollout(samples, completions, tokenizer, routing)
 
 
 def generate_on_engines(group, requests: list[GenerateRequest], sampling: SamplingParams) -> list[list[Completion]]:
@@ -59,16 +62,26 @@ def generate_on_engines(group, requests: list[GenerateRequest], sampling: Sampli
     return [completions for share in per_engine for completions in share]
 
 
-def collate_rollout(samples: Sequence[PromptSample], completions: list[list[Completion]], tokenizer) -> RolloutResult:
+def collate_rollout(
+    samples: Sequence[PromptSample],
+    completions: list[list[Completion]],
+    tokenizer,
+    routing: RoutingPlan | None = None,
+) -> RolloutResult:
+    """The batch of every completion; with `routing` (a MoE model whose engines record routing), their routed
+    experts too (megarl/trainer/routing.py)."""
     prompt_ids, response_ids, logprobs = [], [], []
+    routed, names = [], []
     meta: dict[str, list] = {k: [] for k in ("prompt", "response", "label", "finish_reason", "weight_version")}
     group_ids = []
     for group, (sample, outs) in enumerate(zip(samples, completions)):
-        for out in outs:
+        for j, out in enumerate(outs):
             prompt_ids.append(sample.prompt_ids)
             response_ids.append(out.token_ids)
             logprobs.append(out.logprobs)
             group_ids.append(group)
+            routed.append(out.routed_experts)
+            names.append(f"(prompt {sample.index}, completion {j})")
             meta["prompt"].append(sample.text)
             meta["response"].append(tokenizer.decode(out.token_ids, skip_special_tokens=True))
             meta["label"].append(sample.label)
@@ -76,7 +89,10 @@ def collate_rollout(samples: Sequence[PromptSample], completions: list[list[Comp
             meta["weight_version"].append(out.weight_version)
     batch = make_rl_batch(prompt_ids, response_ids, pad_id=_pad_id(tokenizer), meta=meta, rollout_logprobs=logprobs)
     batch = batch.with_tensors(group_ids=torch.tensor(group_ids, dtype=torch.long))
-    return RolloutResult(batch, sum(len(r) for r in response_ids))
+    metrics: dict[str, float] = {}
+    if routing is not None and routing.layout is not None:
+        batch, metrics = add_rollout_routing(batch, routed, routing, names)
+    return RolloutResult(batch, sum(len(r) for r in response_ids), metrics)
 
 
 def _pad_id(tokenizer) -> int:

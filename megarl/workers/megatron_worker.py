@@ -62,10 +62,14 @@ class MegatronWorker(Worker):
 
     # -- policy (actor, ref) -------------------------------------------------------------------------------------
 
-    def compute_logprobs(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False) -> Batch | None:
+    def compute_logprobs(
+        self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False, routing: str = "off"
+    ) -> Batch | None:
+        """Log-probs; MoE models: `routing` says what the routers do (observe, replay, record: policy.py)."""
         from megarl.workers.policy import compute_logprobs
 
-        return compute_logprobs(self.model, batch, temperature, self.micro_batch.forward_budget, with_entropy)
+        budget = self.micro_batch.forward_budget
+        return compute_logprobs(self.model, batch, temperature, budget, with_entropy, routing)
 
     def update_policy(self, batch: Batch, loss_fn, temperature: float = 1.0) -> dict[str, float]:
         from megarl.workers.policy import update_policy

@@ -40,12 +40,24 @@ class PolicyLossFn(Protocol):
 
 @torch.no_grad()
 def compute_logprobs(
-    model: RoleModel, batch: Batch, temperature: float = 1.0, max_tokens: int = 16384, with_entropy: bool = False
+    model: RoleModel,
+    batch: Batch,
+    temperature: float = 1.0,
+    max_tokens: int = 16384,
+    with_entropy: bool = False,
+    routing: str = "off",
 ) -> Batch | None:
-    """`logprobs` [B, S] (and `entropy`) aligned with input_ids; a Batch on output ranks, None elsewhere."""
+    """`logprobs` [B, S] (and `entropy`) aligned with input_ids; a Batch on output ranks, None elsewhere.
+
+    MoE models, `routing` (workers/routing_replay.py): `observe` or `replay` the batch's routed_experts, adding
+    per-sample, per-layer `routing_agree` / `routing_observed` counts [B, L]; `record` the live routing, returned
+    as `routed_experts` and `routing_mask`; `off`: live routing, nothing added."""
     micro_batches = split_micro_batches(batch, max_tokens, schedule_shape(model.chunks))
+    replay = model.routing_pass(routing, batch)
 
     def step(chunk: torch.nn.Module, tensors: dict[str, torch.Tensor]):
+        if replay is not None:
+            replay.prepare(chunk, tensors)
         output = gpt_output(chunk, tensors)
 
         def loss_fn(logits: torch.Tensor):
@@ -57,18 +69,47 @@ def compute_logprobs(
 
         return output, loss_fn
 
-    payloads = run_schedule(model.chunks, micro_batches, step, forward_only=True)
+    try:
+        payloads = run_schedule(model.chunks, micro_batches, step, forward_only=True)
+    finally:
+        if replay is not None:
+            replay.finish()
+    num_rows, width = batch["input_ids"].shape
+    routing_results = _routing_results(model, replay, micro_batches, num_rows, width) if replay else {}
     if not is_output_rank():
         return None
-    num_rows, width = batch["input_ids"].shape
     names = ["logprobs", "entropy"] if with_entropy else ["logprobs"]
-    return Batch({name: scatter_rows(micro_batches, payloads, name, num_rows, width) for name in names})
+    tensors = {name: scatter_rows(micro_batches, payloads, name, num_rows, width) for name in names}
+    return Batch(tensors | routing_results)
+
+
+def _routing_results(model: RoleModel, replay, micro_batches, num_rows: int, width: int) -> dict[str, torch.Tensor]:
+    """What a log-prob pass learned of the routing (collectives: every rank of the role calls this)."""
+    layout = model.routing_layout
+    if replay.mode == "record":
+        routed = replay.recorded(micro_batches, num_rows, width, layout)
+        return {"routed_experts": routed, "routing_mask": _scored_positions(micro_batches, num_rows, width)}
+    agree, observed = replay.agreement(micro_batches, num_rows, len(layout.moe_layers))
+    return {"routing_agree": agree, "routing_observed": observed}
+
+
+def _scored_positions(micro_batches, num_rows: int, width: int) -> torch.Tensor:
+    """1 on every real token but each sample's last (whose routing changes no log-prob) [B, width] uint8."""
+    mask = torch.zeros(num_rows, width, dtype=torch.uint8)
+    for micro_batch in micro_batches:
+        if micro_batch.rows:
+            real = micro_batch.tensors["attention_mask"][: len(micro_batch.rows)].bool().cpu()
+            scored = torch.nn.functional.pad(real[:, 1:], (0, 1))
+            mask[micro_batch.rows, : scored.shape[1]] = scored.to(torch.uint8)
+    return mask
 
 
 def update_policy(
     model: RoleModel, batch: Batch, loss_fn: PolicyLossFn, temperature: float = 1.0, max_tokens: int = 8192
 ) -> dict[str, float]:
-    """One optimizer step on this rank's share of a mini-batch (`loss_weights` must be in the batch)."""
+    """One optimizer step on this rank's share of a mini-batch (`loss_weights` must be in the batch). MoE models
+    replay the batch's routed_experts when it has them (metric `routing_replayed`)."""
+    replay = model.routing_pass("replay", batch)
 
     def objective(logits: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, MetricSums]:
         logits = prepare_logits(logits, model.vocab, temperature)
@@ -77,4 +118,11 @@ def update_policy(
         per_token_loss, metrics = loss_fn(logprobs, entropy, tensors)
         return weighted(per_token_loss, metrics, tensors["loss_weights"])
 
-    return train_step(model, batch, objective, max_tokens)
+    try:
+        metrics = train_step(model, batch, objective, max_tokens, before_forward=replay and replay.prepare)
+    finally:
+        if replay is not None:
+            replay.finish()
+    if model.replay_routers:
+        metrics["routing_replayed"] = replay.replayed_fraction() if replay is not None else 0.0
+    return metrics

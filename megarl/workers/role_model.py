@@ -13,10 +13,13 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.checkpoint.model_io import LoadedModel, load_model
+from megarl.data.batch import Batch
 from megarl.models.heads import Head
 from megarl.models.hf_config import parse_dtype
+from megarl.models.moe import RoutingLayout
 from megarl.workers.config import ModelSettings, OptimizerSettings
 from megarl.workers.optimizer import RoleOptimizer, build_optimizer
+from megarl.workers.routing_replay import ReplayRouter, RoutingReplay, attach_replay_routers
 
 
 @dataclass
@@ -29,6 +32,20 @@ class RoleModel:
     settings: ModelSettings
     _offloaded: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(("params", "grads", "optimizer"), False))
     """What `offload` moved off the accelerator and `onload` must bring back."""
+    replay_routers: list[list[ReplayRouter]] = field(default_factory=list)
+    """MoE models: the routing-replay hook of every router, per chunk (workers/routing_replay.py); [] if dense."""
+
+    @property
+    def routing_layout(self) -> RoutingLayout | None:
+        moe = self.loaded.arch.moe
+        return moe.routing_layout(self.loaded.hf_config) if moe is not None else None
+
+    def routing_pass(self, mode: str, batch: Batch) -> RoutingReplay | None:
+        """The routers set up for one pass: `observe` / `replay` the batch's routed_experts (None when it has none),
+        `record` the live choice; None for a dense model or mode `off`."""
+        if not self.replay_routers or mode == "off" or (mode != "record" and "routed_experts" not in batch):
+            return None
+        return RoutingReplay(self.chunks, self.replay_routers, mode)
 
     @property
     def trainable(self) -> bool:
@@ -123,13 +140,16 @@ def build_role_model(
         config_overrides=role_config_overrides(settings, trainable, is_moe(settings.path if path is None else path)),
         spec_backend=settings.spec_backend,
     )
+    routers = []
+    if loaded.arch.moe is not None:
+        routers = attach_replay_routers(loaded.chunks, loaded.arch.moe.routing_layout(loaded.hf_config))
     if not trainable:
         for chunk in loaded.chunks:
             chunk.requires_grad_(False)
             chunk.eval()
-        return RoleModel(loaded, loaded.chunks, None, settings)
+        return RoleModel(loaded, loaded.chunks, None, settings, replay_routers=routers)
     chunks = wrap_ddp(loaded.chunks, use_distributed_optimizer=optimizer.use_distributed_optimizer)
-    return RoleModel(loaded, chunks, build_optimizer(optimizer, chunks, total_steps), settings)
+    return RoleModel(loaded, chunks, build_optimizer(optimizer, chunks, total_steps), settings, replay_routers=routers)
 
 
 def is_moe(path: str) -> bool:

@@ -107,6 +107,7 @@ class RolloutWorker(Worker):
         start = time.perf_counter()
         with self._lock:
             kwargs = sglang_launch_kwargs(config, gpu_ids, model_path) if config.backend == "sglang" else {}
+            kwargs["record_routing"] = config.routed_experts == "auto"  # MoE models only: the engine checks
             if nodes:
                 kwargs["node"] = self._start_other_nodes(model_path, config, kwargs, list(nodes))
                 kwargs["startup_watch"] = self.check_nodes  # a node that fails to start is named at once
@@ -119,6 +120,7 @@ class RolloutWorker(Worker):
         """Launch node-ranks 1.. of this engine (one EngineNode actor each); returns node 0's place, where they
         meet (this node's address, the engine's rendezvous port: megarl/rollout/sglang_launch.py)."""
         from megarl.checkpoint.model_dir import hf_config_dir
+        from megarl.rollout.routing import engine_routing_layout
         from megarl.rollout.sglang_launch import LISTEN_HOST, PORT_SPAN
         from megarl.rollout.sglang_server import build_server_command
         from megarl.workers.engine_nodes import NOSET_CUDA_VISIBLE_DEVICES, start_engine_nodes
@@ -135,6 +137,7 @@ class RolloutWorker(Worker):
                 load_format=kwargs["load_format"],
                 node=NodePlace(nnodes, node_rank, meet),
                 quantization=kwargs["quantization"],
+                return_routed_experts=engine_routing_layout(config.routed_experts, model_path) is not None,
             )
 
         self._node_slots = slots

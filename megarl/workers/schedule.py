@@ -67,7 +67,7 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return getattr(chunk, "module", chunk)
 
 
-_ZEROED_IN_FILLERS = ("loss_weights", "response_mask", "pair_weights")
+_ZEROED_IN_FILLERS = ("loss_weights", "response_mask", "pair_weights", "routing_mask")
 
 
 def split_micro_batches(

@@ -36,10 +36,16 @@ def weighted(
 
 
 def train_step(
-    model: RoleModel, batch: Batch, objective: Objective, max_tokens: int, rows_per_unit: int = 1
+    model: RoleModel,
+    batch: Batch,
+    objective: Objective,
+    max_tokens: int,
+    rows_per_unit: int = 1,
+    before_forward: Callable[[torch.nn.Module, dict[str, torch.Tensor]], None] | None = None,
 ) -> dict[str, float]:
     """Zero grads, forward/backward every micro-batch, sum gradients over DP, clip and step. Returns metrics
-    (identical on every rank of the role). rows_per_unit: rows kept in one micro-batch (pairs)."""
+    (identical on every rank of the role). rows_per_unit: rows kept in one micro-batch (pairs). before_forward:
+    called with each chunk and micro-batch right before its forward (routing replay sets its targets)."""
     assert model.optimizer is not None, "train_step needs a trainable role"
     from megatron.core.distributed import finalize_model_grads
 
@@ -47,6 +53,8 @@ def train_step(
     micro_batches = split_micro_batches(batch, max_tokens, schedule_shape(model.chunks), rows_per_unit)
 
     def step(chunk: torch.nn.Module, tensors: dict[str, torch.Tensor]):
+        if before_forward is not None:
+            before_forward(chunk, tensors)
         output = gpt_output(chunk, tensors)
 
         def loss_fn(output_tensor: torch.Tensor):

@@ -1,0 +1,118 @@
+"""Rank-side functions of the routing-replay tests (they run inside the gloo rank pools of tests/conftest.py)."""
+
+from __future__ import annotations
+
+import torch
+from worker_ranks import _dp_part, _init, settings_for
+
+from megarl.data.batch import Batch
+
+
+def _check_routing_maps(model) -> dict[str, int]:
+    """Hooks on every router: for each token a router replays, does its routing map (what the token dispatcher
+    sends on) hold exactly the replayed experts? Counts, filled as forwards run."""
+    counts = {"checked": 0, "wrong": 0}
+
+    def check(router, inputs, output):
+        replay = router.router_replay
+        if replay.mode != "replay" or replay.target_topk_idx is None:
+            return
+        _, routing_map = output
+        mask = replay.mask
+        expected = torch.zeros_like(routing_map).scatter_(1, replay.target_topk_idx.long(), True)
+        counts["checked"] += int(mask.sum())
+        counts["wrong"] += int((routing_map[mask] != expected[mask]).any(dim=1).sum())
+
+    for chunk_routers, chunk in zip(model.replay_routers, model.chunks):
+        module = getattr(chunk, "module", chunk)
+        for layer in module.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                router.register_forward_hook(check)
+    return counts
+
+
+def routing_passes(path: str, layout, batch: Batch, random_routing: torch.Tensor, max_tokens: int = 64):
+    """On one model: log-probs with live routing; a record pass; a replay of what it recorded; a replay of
+    `random_routing` (ids [B, S, L, k], replayed on every scored token). From every rank: the routing-map check of
+    the random replay; from output ranks also (dp rank, results)."""
+    from megarl.workers.policy import compute_logprobs
+    from megarl.workers.role_model import build_role_model
+
+    _init(layout)
+    model = build_role_model(settings_for(path, layout)[0])
+    dp_rank, part = _dp_part(batch)
+    off = compute_logprobs(model, part, max_tokens=max_tokens, routing="off")
+    recorded = compute_logprobs(model, part, max_tokens=max_tokens, routing="record")
+    recorded = _share(recorded, part, model.routing_layout)
+    replayed = compute_logprobs(model, part.with_tensors(**recorded), max_tokens=max_tokens, routing="replay")
+    counts = _check_routing_maps(model)
+    _, random_part = _dp_part(batch.with_tensors(routed_experts=random_routing, routing_mask=recorded_mask(batch)))
+    compute_logprobs(model, random_part, max_tokens=max_tokens, routing="replay")
+    if off is None:
+        return {"map_check": counts}
+    return {
+        "map_check": counts,
+        "dp_rank": dp_rank,
+        "off": off["logprobs"],
+        "recorded": recorded["routed_experts"],
+        "replayed": replayed["logprobs"],
+        "agree": replayed["routing_agree"],
+        "observed": replayed["routing_observed"],
+    }
+
+
+def recorded_mask(batch: Batch) -> torch.Tensor:
+    """1 on every token but each sample's last: where a recorded routing exists."""
+    real = batch["attention_mask"].bool()
+    return torch.nn.functional.pad(real[:, 1:], (0, 1)).to(torch.uint8)
+
+
+def _share(result: Batch | None, part: Batch, layout) -> dict[str, torch.Tensor]:
+    """The record pass's routing, from the output rank to every rank of the replica (the controller's job)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_model_parallel_group()
+    flags = [None] * dist.get_world_size(group)
+    dist.all_gather_object(flags, (dist.get_rank(), result is not None), group=group)
+    src = next(rank for rank, has in flags if has)
+    rows, width = part["input_ids"].shape
+    routed = torch.zeros(rows, width, len(layout.moe_layers), layout.topk, dtype=torch.int32)
+    mask = torch.zeros(rows, width, dtype=torch.int32)
+    if result is not None:
+        routed, mask = result["routed_experts"].to(torch.int32), result["routing_mask"].to(torch.int32)
+    dist.broadcast(routed, src=src, group=group)
+    dist.broadcast(mask, src=src, group=group)
+    return {"routed_experts": routed.to(layout.dtype), "routing_mask": mask.to(torch.uint8)}
+
+
+def replay_gradients(path: str, layout, batch: Batch, loss_weights: torch.Tensor, max_tokens: int = 64):
+    """One update replaying the batch's routed_experts: (metrics, the largest |gradient| of any router weight on
+    this rank, or None where the rank holds no router)."""
+    from megarl.algorithms.config import PolicyLossConfig
+    from megarl.algorithms.losses import PolicyLoss
+    from megarl.workers.policy import update_policy
+    from megarl.workers.role_model import build_role_model
+
+    _init(layout)
+    model_settings, optim = settings_for(path, layout)
+    model = build_role_model(model_settings, optimizer=optim, total_steps=10)
+    grads: list[float] = []
+
+    def keep_router_grads():
+        for chunk in model.chunks:
+            for name, param in chunk.named_parameters():
+                if name.endswith("router.weight"):
+                    grads.append(float(param.main_grad.abs().max()))
+
+    step = model.optimizer.step
+
+    def step_and_look():
+        keep_router_grads()
+        return step()
+
+    model.optimizer.step = step_and_look
+    _, part = _dp_part(batch.with_tensors(loss_weights=loss_weights, old_logprobs=torch.zeros(batch["input_ids"].shape)))
+    metrics = update_policy(model, part, PolicyLoss(PolicyLossConfig()), max_tokens=max_tokens)
+    return metrics, max(grads) if grads else None
