@@ -23,7 +23,7 @@ def _check_routing_maps(model) -> dict[str, int]:
         counts["checked"] += int(mask.sum())
         counts["wrong"] += int((routing_map[mask] != expected[mask]).any(dim=1).sum())
 
-    for chunk_routers, chunk in zip(model.replay_routers, model.chunks):
+    for chunk in model.chunks:
         module = getattr(chunk, "module", chunk)
         for layer in module.decoder.layers:
             router = getattr(layer.mlp, "router", None)
@@ -113,6 +113,7 @@ def replay_gradients(path: str, layout, batch: Batch, loss_weights: torch.Tensor
         return step()
 
     model.optimizer.step = step_and_look
-    _, part = _dp_part(batch.with_tensors(loss_weights=loss_weights, old_logprobs=torch.zeros(batch["input_ids"].shape)))
+    old_logprobs = torch.zeros(batch["input_ids"].shape)
+    _, part = _dp_part(batch.with_tensors(loss_weights=loss_weights, old_logprobs=old_logprobs))
     metrics = update_policy(model, part, PolicyLoss(PolicyLossConfig()), max_tokens=max_tokens)
     return metrics, max(grads) if grads else None

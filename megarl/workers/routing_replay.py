@@ -179,8 +179,8 @@ class RoutingReplay:
                 rows = micro_batch.rows
                 if rows:
                     agree[rows, router.moe_index] += same_T.view(-1, b).sum(0)[: len(rows)].to("cpu", torch.int32)
-                    observed[rows, router.moe_index] += compared_T.view(-1, b).sum(0)[: len(rows)].to(
-                        "cpu", torch.int32
+                    observed[rows, router.moe_index] += (
+                        compared_T.view(-1, b).sum(0)[: len(rows)].to("cpu", torch.int32)
                     )
         counts = self._sum_over_model(torch.stack([agree, observed]), split_by_sequence=True)
         return counts[0], counts[1]
