@@ -324,3 +324,55 @@ def test_checksums_are_sglangs_weight_checker_digests(dtype):
     assert sglang_checksum(tensor) == checker._hash_tensor(tensor)
     assert sglang_checksum(tensor.t()) == checker._hash_tensor(tensor.t().contiguous())  # a view hashes its values
     assert sglang_checksum(tensor) != sglang_checksum(tensor + 1)
+
+
+# ---- routed experts (routing replay) -------------------------------------------------------------------------------
+
+
+def test_sglang_records_routed_experts_from_the_launch_command_and_the_request():
+    args = build_server_args(SGLangEngineConfig(), "/ckpt/hf", host="0.0.0.0", port=30001, return_routed_experts=True)
+    parsed, _ = parse_server_args(args)
+    assert parsed.enable_return_routed_experts is True
+    parsed, _ = parse_server_args(build_server_args(SGLangEngineConfig(), "/ckpt/hf", host="0.0.0.0", port=30001))
+    assert parsed.enable_return_routed_experts is False
+    body, _ = build_generate_payload([GenerateRequest([1, 2, 3], seed=1)], SamplingParams(n=2, max_new_tokens=4))
+    request = sglang_contract.validate_request("/generate", {**body, "return_routed_experts": True})
+    assert request.return_routed_experts is True and request.routed_experts_start_len == 0
+
+
+def test_routed_experts_decode_as_sglang_records_and_returns_them(hf_checkpoint):
+    # SGLang keeps every token's top-k per decoder layer (dense layers never written: zeros) in a host buffer
+    # indexed by KV slot, returns rows [0, seqlen - 1) of a finished request (BaseTopkCapturer.get_topk) and sends
+    # them as base64 of the int32 bytes (DetokenizerManager._b64_encode_per_request; that module needs
+    # setproctitle, absent here, so its one line is repeated below).
+    from types import SimpleNamespace
+
+    from megarl.models.hf_config import load_hf_config
+    from megarl.models.registry import routing_layout
+    from megarl.rollout.routing import routing_problem
+    from megarl.rollout.sglang_engine import parse_completion
+
+    base = sglang_contract.sglang_module("sglang.srt.state_capturer.base")
+    routed_module = sglang_contract.sglang_module("sglang.srt.state_capturer.routed_experts")
+    layout = routing_layout(load_hf_config(hf_checkpoint("tiny-deepseek-v3")))  # layer 0 dense
+    prompt, output = [5, 6, 7, 8], [9, 10, 2]
+    seqlen = len(prompt) + len(output)
+    g = torch.Generator().manual_seed(0)
+    buffer = torch.zeros(64, layout.num_layers, layout.topk, dtype=torch.int32)
+    slots = torch.randperm(64, generator=g)[:seqlen]  # the request's KV slots, anywhere in the pool
+    for layer in layout.moe_layers:
+        buffer[slots, layer] = torch.rand(seqlen, layout.num_experts, generator=g).topk(layout.topk).indices.int()
+    capturer = object.__new__(base.BaseTopkCapturer)
+    capturer.host_cache = SimpleNamespace(buffer=buffer)
+    pool = SimpleNamespace(req_to_token=torch.cat([slots, torch.zeros(64 - seqlen, dtype=torch.long)])[None])
+    rows = capturer.get_topk(req_pool_idx=0, seqlen=seqlen, req_to_token_pool=pool)
+    encoded = base64.b64encode(rows.numpy().tobytes()).decode("utf-8")
+    meta = {"id": "r/0", "finish_reason": {"type": "stop"}, "routed_experts": encoded,
+            "output_token_logprobs": [[-0.5, t, None] for t in output]}  # fmt: skip
+    assert routed_module.extract_routed_experts_from_meta_info({"meta_info": meta}).tolist() == rows.flatten().tolist()
+
+    completion = parse_completion({"output_ids": output, "meta_info": meta}, GenerateRequest(prompt), 0, layout)
+    want = rows[:, list(layout.moe_layers)].sort(dim=-1).values
+    assert torch.equal(completion.routed_experts.long(), want.long())
+    assert completion.routed_experts.dtype == torch.uint8
+    assert routing_problem(completion.routed_experts, seqlen, layout) is None

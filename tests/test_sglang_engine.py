@@ -203,6 +203,8 @@ class FakeSGLang:
         self.flush_refusals = 0
         self.delay: dict[str, float] = {}
         self.rejected: list[tuple[str, str]] = []
+        self.routing: tuple[int, list[int], int] | None = None
+        """(decoder layers, MoE layers, top-k) of the model served: routed experts returned when asked for."""
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -269,8 +271,19 @@ class FakeSGLang:
     def on_generate(self, body):
         if any(not ids for ids in body["input_ids"]):
             return 400, {"error": {"message": "input_ids cannot be empty."}}
-        return 200, [self._generate_one(ids, p, rid) for ids, p, rid in zip(body["input_ids"], body["sampling_params"],
-                                                                            body["rid"])]  # fmt: skip
+        items = [self._generate_one(ids, p, rid) for ids, p, rid in zip(body["input_ids"], body["sampling_params"],
+                                                                         body["rid"])]  # fmt: skip
+        if body.get("return_routed_experts") and self.routing is not None:
+            for ids, item in zip(body["input_ids"], items):
+                item["meta_info"]["routed_experts"] = self._routed_experts(len(ids) + len(item["output_ids"]))
+        return 200, items
+
+    def _routed_experts(self, seqlen: int) -> str:
+        """As SGLang returns them: base64 of int32 [seqlen - 1, every decoder layer, topk] (dense layers zero)."""
+        num_layers, moe_layers, topk = self.routing
+        rows = torch.zeros(seqlen - 1, num_layers, topk, dtype=torch.int32)
+        rows[:, moe_layers] = torch.arange(topk, dtype=torch.int32) + 1  # experts 1..topk everywhere
+        return base64.b64encode(rows.numpy().tobytes()).decode()
 
     def _generate_one(self, input_ids, params, rid):
         """Tokens from (seed, prompt); a stop token ends (and stays in) the output."""
@@ -398,6 +411,21 @@ def test_generate_through_fake_server(fake):
     (first,) = engine.generate(requests[:1], SamplingParams(max_new_tokens=5, stop_token_ids=list(range(60))))[0]
     assert first.finish_reason == "stop" and len(first.token_ids) == len(first.logprobs) == 1  # stop token kept
     assert engine.generate([], sampling) == []
+
+
+def test_moe_engine_asks_for_and_decodes_routed_experts(fake, hf_checkpoint):
+    folder = hf_checkpoint("tiny-qwen3-moe")  # 4 layers, layer 1 dense, top-2 of 8 experts
+    fake.routing = (4, [0, 2, 3], 2)
+    engine = SGLangEngine(folder, SGLangEngineConfig(), url=fake.url, serializer=pickle_serializer, record_routing=True)
+    request = GenerateRequest([1, 2, 3], seed=1, prefix_ids=[40], prefix_logprobs=[-0.5], prefix_versions=[0])
+    (completions,) = engine.generate([request], SamplingParams(n=2, temperature=1.0, max_new_tokens=5))
+    assert fake.calls[-1][1]["return_routed_experts"] is True
+    for completion in completions:  # prompt, prefix and new tokens but the last: 3 + len(token_ids) - 1 rows
+        assert completion.routed_experts.shape == (3 + len(completion.token_ids) - 1, 3, 2)
+        assert completion.routed_experts.unique().tolist() == [1, 2]
+    dense = SGLangEngine(hf_checkpoint("tiny-llama"), SGLangEngineConfig(), url=fake.url, record_routing=True)
+    dense.generate([GenerateRequest([1, 2])], SamplingParams(max_new_tokens=2))
+    assert "return_routed_experts" not in fake.calls[-1][1] and dense.routing is None
 
 
 def test_generate_resumes_partial_rollouts(fake):
