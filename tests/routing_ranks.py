@@ -117,3 +117,19 @@ def replay_gradients(path: str, layout, batch: Batch, loss_weights: torch.Tensor
     _, part = _dp_part(batch.with_tensors(loss_weights=loss_weights, old_logprobs=old_logprobs))
     metrics = update_policy(model, part, PolicyLoss(PolicyLossConfig()), max_tokens=max_tokens)
     return metrics, max(grads) if grads else None
+
+
+def trainer_logprobs_against_engine(path: str, layout, batch: Batch, dtype: str = "bfloat16", max_tokens: int = 256):
+    """The actor's log-probs of a rollout batch with live routing (compared with the engine's) and with the engine's
+    routing replayed: from output ranks (dp rank, live, replayed, agree counts, compared counts)."""
+    from megarl.workers.policy import compute_logprobs
+    from megarl.workers.role_model import build_role_model
+
+    _init(layout)
+    model = build_role_model(settings_for(path, layout, dtype=dtype)[0])
+    dp_rank, part = _dp_part(batch)
+    live = compute_logprobs(model, part, max_tokens=max_tokens, routing="observe")
+    replayed = compute_logprobs(model, part, max_tokens=max_tokens, routing="replay")
+    if live is None:
+        return None
+    return dp_rank, live["logprobs"], replayed["logprobs"], live["routing_agree"], live["routing_observed"]
