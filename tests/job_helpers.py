@@ -19,16 +19,20 @@ def write_prompts(path: Path, num: int) -> Path:
     return path
 
 
-def write_config(tmp_path: Path, stages: str, num_steps: int, extra: str = "", tp: int = 2) -> Path:
+def write_config(
+    tmp_path: Path, stages: str, num_steps: int, extra: str = "", tp: int = 2, model: str = "tiny-qwen3", ep: int = 1
+) -> Path:
+    """A small job on `model` (configs/models/) at TP=`tp` (or, with `ep` > 1, TP=1 and EP=`ep` on `tp` ranks)."""
+    parallel = f"{{tp: {tp}}}" if ep == 1 else f"{{ep: {ep}}}"
     data = write_prompts(tmp_path / "prompts.jsonl", 64)
     config = tmp_path / "job.yaml"
     config.write_text(
         f"""
 run: {{name: test, dir: {tmp_path / "run"}, stages: {stages}, seed: 3}}
-model: {{path: {tmp_path / "model"}, init: {{config: {REPO / "configs/models/tiny-qwen3.json"}}}}}
+model: {{path: {tmp_path / "model"}, init: {{config: {REPO / f"configs/models/{model}.json"}}}}}
 placement: {{train_gpus: {tp}}}
 actor:
-  model: {{dtype: float32, parallel: {{tp: {tp}}}}}
+  model: {{dtype: float32, parallel: {parallel}}}
   optim: {{lr: 1.0e-2, clip_grad: 1.0}}
 critic:
   model: {{dtype: float32, parallel: {{tp: {tp}}}}}

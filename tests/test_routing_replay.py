@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import hf_routing, layout_id
-from routing_ranks import recorded_mask, replay_gradients, routing_passes
+from routing_ranks import recorded_mask, replay_gradients, routing_passes, trainer_logprobs_against_engine
 from worker_ranks import random_batch
 
 from megarl.models.hf_config import load_hf_config
@@ -94,7 +94,6 @@ def test_replay_brings_bf16_trainer_logprobs_closer_to_the_engines(ranks4, hf_ch
     from megarl.rollout.hf_engine import HFEngine
     from megarl.trainer.rollout_step import collate_rollout
     from megarl.trainer.routing import RoutingPlan
-    from routing_ranks import trainer_logprobs_against_engine
 
     folder = hf_checkpoint(name, torch.bfloat16)
     engine = HFEngine(folder, HFEngineConfig(dtype="bfloat16"), record_routing=True)

@@ -214,3 +214,31 @@ def test_fp8_rollout_serves_the_quantized_weights(tmp_path):
             assert (torch.tensor(completion.logprobs) - want).abs().mean() < 0.2
     finally:
         engine.shutdown()
+
+
+def test_routed_experts_are_the_hf_models_routing(hf_checkpoint, tmp_path):
+    """R3's SGLang side: a MoE server started with --enable-return-routed-experts returns, for every token of
+    prompt + completion but the last, the experts the HF model (bf16) routes it to; near-ties may flip in bf16."""
+    from helpers import hf_routing
+
+    from megarl.models.hf_config import load_hf_config
+    from megarl.models.registry import routing_layout
+    from megarl.rollout.sglang_engine import SGLangEngine
+
+    folder = hf_checkpoint("tiny-mixtral", dtype=torch.bfloat16)  # every layer MoE, as SGLang builds it
+    layout = routing_layout(load_hf_config(folder))
+    engine = SGLangEngine(folder, server_config(), log_path=tmp_path / "s.log", record_routing=True)
+    try:
+        sampling = SamplingParams(temperature=0.7, max_new_tokens=8, ignore_eos=True)
+        agree = total = 0
+        for prompt, (completion,) in zip(PROMPTS, engine.generate([GenerateRequest(p) for p in PROMPTS], sampling)):
+            ids = torch.tensor([prompt + completion.token_ids])
+            assert completion.routed_experts.shape == (ids.shape[1] - 1, len(layout.moe_layers), layout.topk)
+            expected = hf_routing(folder, ids)
+            for index, layer in enumerate(layout.moe_layers):
+                got = torch.zeros_like(expected[layer][:-1]).scatter_(1, completion.routed_experts[:, index].long(), 1)
+                agree += (got == expected[layer][:-1]).all(dim=1).sum().item()
+                total += got.shape[0]
+        assert agree / total > 0.9
+    finally:
+        engine.shutdown()

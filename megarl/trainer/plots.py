@@ -61,6 +61,7 @@ PLOT_GROUPS = (
     PlotGroup("entropy", "Policy entropy", "entropy (nats / token)", (r"(^|/)[^/]*entropy[^/]*$",)),
     PlotGroup("response_length", "Response length", "tokens", (r"^(response|prompt)_length/(mean|min|max|std)$",)),
     PlotGroup("mismatch", "Training-inference mismatch", "mismatch", (r"^mismatch/",)),
+    PlotGroup("routing", "MoE routing: engine vs trainer", "fraction", (r"^rollout/routing_(agreement|replayed)",)),
     PlotGroup("timing", "Time per step", "seconds", (rf"^{TIMING_PREFIX}",), kind="stacked", smooth=False),
     PlotGroup("throughput", "Throughput", "tokens / s", (r"^throughput/",)),
     PlotGroup("memory", "Memory at the end of each phase", "GiB", (r"^memory/",), smooth=False),

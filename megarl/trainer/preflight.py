@@ -8,6 +8,7 @@ sizes), every role's layout fits its GPUs, and the batch shapes fit the data-par
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 from megarl.config.job import JobConfig, RoleConfig
@@ -101,6 +102,13 @@ def preflight(config: JobConfig, check_memory: bool = True, off_machine: bool = 
         )
     if config.rl_stages:
         rollout_quantization(config.rollout, config.model.path)  # an FP8 format the engines cannot take is named
+    if config.rl_stages and config.algorithm.routing_replay != "off" and arch.moe is None:
+        warnings.warn(
+            f"algorithm.routing_replay={config.algorithm.routing_replay} has no effect: {hf_config.model_type} is "
+            "not a mixture-of-experts model",
+            UserWarning,
+            stacklevel=2,
+        )
     if check_memory:
         _check_memory(config)
     if config.placement.mode == "colocated" and gpus % config.rollout.gpus_per_engine:
