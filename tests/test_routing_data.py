@@ -124,3 +124,34 @@ def test_micro_batches_keep_routing_with_tokens_and_padding_rows_replay_nothing(
                 assert torch.equal(mask[k], batch["routing_mask"][row, :width])
             assert mask[len(micro.rows) :].sum() == 0  # padding rows and fillers replay nothing
         assert sorted(r for m in micro_batches for r in m.rows) == [0, 1, 2]
+
+
+def test_agreement_metrics_and_the_stop_threshold():
+    from megarl.trainer.routing import agreement_metrics, check_agreement
+
+    agree = torch.tensor([[3, 4], [1, 0]])  # per sample and MoE layer: tokens whose top-k set matched
+    observed = torch.tensor([[4, 4], [2, 0]])  # tokens compared
+    metrics = agreement_metrics(agree, observed)
+    assert metrics == {"rollout/routing_agreement": 0.8, "rollout/routing_agreement_min_layer": pytest.approx(4 / 6)}
+    check_agreement(metrics, RoutingPlan(None, "rollout", "error", min_agreement=0.8))
+    with pytest.raises(UserError, match=r"rollout/routing_agreement=0\.8000 is below algorithm\.min_routing_agree"):
+        check_agreement(metrics, RoutingPlan(None, "rollout", "error", min_agreement=0.9))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.routing_replay=r3"], r"algorithm\.routing_replay='r3': valid are off, rollout, old_logprob"),
+        (["algorithm.routing_invalid=skip"], r"algorithm\.routing_invalid='skip': valid are error, live"),
+        (["algorithm.min_routing_agreement=1.5"], r"algorithm\.min_routing_agreement=1\.5 must be in \[0, 1\]"),
+        (["rollout.routed_experts=off"], r"algorithm\.routing_replay=rollout replays .* rollout\.routed_experts=off"),
+    ],
+)
+def test_routing_settings_are_checked_with_the_config(overrides, message):
+    from pathlib import Path
+
+    from megarl.config import load_config
+    from megarl.config.job import JobConfig
+
+    with pytest.raises(UserError, match=message):
+        load_config(JobConfig, Path(__file__).parents[1] / "configs/quickstart_moe.yaml", overrides)

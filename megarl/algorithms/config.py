@@ -256,6 +256,9 @@ class AlgorithmConfig:
     (R3): the experts the rollout engine chose for every token, in the old-log-prob pass and every update (the
     routing weights still come from the live router, so the router learns); `old_logprob`: the choices of the
     actor's own old-log-prob pass, replayed in the updates; `off`: live routing everywhere."""
+    min_routing_agreement: float = 0.0
+    """MoE models: stop the run when rollout/routing_agreement (the trainer's live routing against the engine's)
+    falls below this: the two serve different weights, or the routing records are misaligned; 0 = never stop."""
     routing_invalid: str = "error"
     """A sample whose recorded routing cannot be replayed (wrong shape, expert ids out of range, not recorded):
     `error` stops the run naming the sample and layer; `live` routes that sample live and counts it
@@ -267,6 +270,8 @@ class AlgorithmConfig:
         for name, valid in (("routing_replay", ROUTING_REPLAY_MODES), ("routing_invalid", ("error", "live"))):
             if getattr(self, name) not in valid:
                 raise UserError(f"{p}{name}={getattr(self, name)!r}: valid are {', '.join(valid)}")
+        if not 0.0 <= self.min_routing_agreement <= 1.0:
+            raise UserError(f"{p}min_routing_agreement={self.min_routing_agreement} must be in [0, 1] (0 = never stop)")
         estimator = self.advantage.estimator
         ADVANTAGE_ESTIMATORS.check(estimator, f"{p}advantage.estimator")
         if self.dapo.dynamic_sampling and not ADVANTAGE_ESTIMATORS.traits(estimator).get("needs_groups", False):

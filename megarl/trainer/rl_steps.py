@@ -18,7 +18,7 @@ from megarl.algorithms.dapo import add_to_last_token, apply_overlong_penalty
 from megarl.data.batch import Batch
 from megarl.rewards.runner import RewardRunner
 from megarl.rewards.types import RewardSample
-from megarl.trainer.routing import ROUTING_FIELDS, RoutingPlan, agreement_metrics, without_routing
+from megarl.trainer.routing import ROUTING_FIELDS, RoutingPlan, agreement_metrics, check_agreement, without_routing
 
 
 def score_rollout(
@@ -76,6 +76,7 @@ def add_logprobs(
     metrics = {"actor/entropy": _masked_mean(out["entropy"], mask)}
     if "routing_agree" in out:
         metrics |= agreement_metrics(out["routing_agree"], out["routing_observed"])
+        check_agreement(metrics, routing)
     if mode == "record":  # old_logprob replay: the updates replay what this pass chose
         tensors |= {name: out[name] for name in ROUTING_FIELDS}
     if roles.ref is not None:

@@ -35,6 +35,8 @@ class RoutingPlan:
     """algorithm.routing_replay: off, rollout or old_logprob."""
     on_invalid: str
     """algorithm.routing_invalid: error or live."""
+    min_agreement: float = 0.0
+    """algorithm.min_routing_agreement: below it the run stops."""
 
     @property
     def logprob_pass(self) -> str:
@@ -52,7 +54,8 @@ def routing_plan(config) -> RoutingPlan | None:
     if model_layout is None:
         return None
     recorded = model_layout if config.rollout.routed_experts != "off" else None
-    return RoutingPlan(recorded, config.algorithm.routing_replay, config.algorithm.routing_invalid)
+    algorithm = config.algorithm
+    return RoutingPlan(recorded, algorithm.routing_replay, algorithm.routing_invalid, algorithm.min_routing_agreement)
 
 
 def add_rollout_routing(
@@ -99,3 +102,15 @@ def agreement_metrics(agree_BL: torch.Tensor, observed_BL: torch.Tensor) -> dict
         "rollout/routing_agreement": (agree.sum() / observed.sum()).item(),
         "rollout/routing_agreement_min_layer": per_layer.min().item(),
     }
+
+
+def check_agreement(metrics: dict[str, float], plan: RoutingPlan) -> None:
+    """Stop (UserError) when the step's routing agreement is below algorithm.min_routing_agreement."""
+    agreement = metrics.get("rollout/routing_agreement")
+    if agreement is not None and agreement < plan.min_agreement:
+        raise UserError(
+            f"rollout/routing_agreement={agreement:.4f} is below algorithm.min_routing_agreement="
+            f"{plan.min_agreement}: the trainer routes {1 - agreement:.1%} of (token, layer) pairs to other experts "
+            "than the rollout engine did (different weights after a sync, or misaligned routing records); "
+            f"rollout/routing_agreement_min_layer={metrics.get('rollout/routing_agreement_min_layer', 0):.4f}"
+        )

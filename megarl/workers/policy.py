@@ -49,9 +49,10 @@ def compute_logprobs(
 ) -> Batch | None:
     """`logprobs` [B, S] (and `entropy`) aligned with input_ids; a Batch on output ranks, None elsewhere.
 
-    MoE models, `routing` (workers/routing_replay.py): `observe` or `replay` the batch's routed_experts, adding
-    per-sample, per-layer `routing_agree` / `routing_observed` counts [B, L]; `record` the live routing, returned
-    as `routed_experts` and `routing_mask`; `off`: live routing, nothing added."""
+    MoE models, `routing` (workers/routing_replay.py): `observe` or `replay` the batch's routed_experts; `record`
+    the live routing, returned as `routed_experts` and `routing_mask`; `off`: live routing, nothing added. Where
+    the batch has routed_experts (the engine's), per-sample, per-layer `routing_agree` / `routing_observed` counts
+    [B, L] say how often the live routing chose them."""
     micro_batches = split_micro_batches(batch, max_tokens, schedule_shape(model.chunks))
     replay = model.routing_pass(routing, batch)
 
@@ -75,7 +76,8 @@ def compute_logprobs(
         if replay is not None:
             replay.finish()
     num_rows, width = batch["input_ids"].shape
-    routing_results = _routing_results(model, replay, micro_batches, num_rows, width) if replay else {}
+    compared = "routed_experts" in batch  # the engine's routing, to compare the live routing with
+    routing_results = _routing_results(model, replay, micro_batches, num_rows, width, compared) if replay else {}
     if not is_output_rank():
         return None
     names = ["logprobs", "entropy"] if with_entropy else ["logprobs"]
@@ -83,14 +85,19 @@ def compute_logprobs(
     return Batch(tensors | routing_results)
 
 
-def _routing_results(model: RoleModel, replay, micro_batches, num_rows: int, width: int) -> dict[str, torch.Tensor]:
+def _routing_results(
+    model: RoleModel, replay, micro_batches, num_rows: int, width: int, compared: bool
+) -> dict[str, torch.Tensor]:
     """What a log-prob pass learned of the routing (collectives: every rank of the role calls this)."""
     layout = model.routing_layout
+    results = {}
     if replay.mode == "record":
         routed = replay.recorded(micro_batches, num_rows, width, layout)
-        return {"routed_experts": routed, "routing_mask": _scored_positions(micro_batches, num_rows, width)}
-    agree, observed = replay.agreement(micro_batches, num_rows, len(layout.moe_layers))
-    return {"routing_agree": agree, "routing_observed": observed}
+        results = {"routed_experts": routed, "routing_mask": _scored_positions(micro_batches, num_rows, width)}
+    if compared:
+        agree, observed = replay.agreement(micro_batches, num_rows, len(layout.moe_layers))
+        results |= {"routing_agree": agree, "routing_observed": observed}
+    return results
 
 
 def _scored_positions(micro_batches, num_rows: int, width: int) -> torch.Tensor:

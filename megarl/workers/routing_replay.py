@@ -9,7 +9,8 @@ in Megatron's token order. Then, by mode:
 - `observe`: live routing; counts tokens whose live top-k set equals the engine's (routing agreement);
 - `replay`: the engine's experts where `routing_mask` is 1 (live elsewhere); the weights are the live scores of the
   replayed experts (`scores.gather`), so gradients still reach the router; counts agreement too;
-- `record`: live routing; keeps the chosen experts (algorithm.routing_replay=old_logprob).
+- `record`: live routing; keeps the chosen experts (algorithm.routing_replay=old_logprob); counts agreement with
+  the batch's routed_experts when it has them.
 
 Activation recomputation runs the forward again inside backward: there each router takes the oldest targets it was
 given (mcore's `replay_backward_list`, first in first out, the order 1F1B runs backwards in) instead of the latest.
@@ -78,23 +79,21 @@ class ReplayRouter(_replay_base()):
         else:
             target, mask = self.target_topk_idx, self.mask
         live_idx = live[1]
-        if self.mode == "record":
-            if not _in_backward():
-                self.recorded.append(live_idx.detach())
-            return live
+        if self.mode == "record" and not _in_backward():
+            self.recorded.append(live_idx.detach())
         if target is None:
             return live
         target = target.to(live_idx.device, torch.long)
         same = (live_idx.sort(dim=-1).values == target.sort(dim=-1).values).all(dim=-1)
         if not _in_backward():
             self.observed.append((same & mask, mask))
-        if self.mode == "observe":
+        if self.mode in ("observe", "record"):
             return live
         # where the live set is the target already, keep its order: the weights then sum in the same order
         chosen = torch.where((mask & ~same)[:, None], target, live_idx)
-        if not _in_backward():
-            self.num_replayed += int((mask & self.scored).sum())  # host sync: counters for the step's metrics
-            self.num_scored += int(self.scored.sum())
+        if not _in_backward():  # device counters: read once, after the step (replayed_fraction)
+            self.num_replayed = self.num_replayed + (mask & self.scored).sum()
+            self.num_scored = self.num_scored + self.scored.sum()
         return scores.gather(1, chosen), chosen
 
 
@@ -207,9 +206,9 @@ class RoutingReplay:
         from megarl.runtime.device import collective_device
 
         counts = torch.tensor(
-            [sum(r.num_replayed for r in self.routers), sum(r.num_scored for r in self.routers)],
+            [float(sum(r.num_replayed for r in self.routers)), float(sum(r.num_scored for r in self.routers))],
             dtype=torch.float64,
-        )
+        )  # the pass's one host sync of these counters
         if not self.sequence_parallel and ps.get_tensor_model_parallel_rank() != 0:
             counts.zero_()  # TP ranks see the same tokens: count them once
         counts = counts.to(collective_device())
