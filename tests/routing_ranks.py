@@ -87,9 +87,11 @@ def _share(result: Batch | None, part: Batch, layout) -> dict[str, torch.Tensor]
     return {"routed_experts": routed.to(layout.dtype), "routing_mask": mask.to(torch.uint8)}
 
 
-def replay_gradients(path: str, layout, batch: Batch, loss_weights: torch.Tensor, max_tokens: int = 64):
-    """One update replaying the batch's routed_experts: (metrics, the largest |gradient| of any router weight on
-    this rank, or None where the rank holds no router)."""
+def replay_gradients(
+    path: str, layout, batch: Batch, loss_weights: torch.Tensor, max_tokens: int = 64, recompute: bool = False
+):
+    """One update replaying the batch's routed_experts (with activation recomputation if asked): (metrics, the
+    largest |gradient| of any router weight on this rank, or None where the rank holds no router)."""
     from megarl.algorithms.config import PolicyLossConfig
     from megarl.algorithms.losses import PolicyLoss
     from megarl.workers.policy import update_policy
@@ -97,6 +99,7 @@ def replay_gradients(path: str, layout, batch: Batch, loss_weights: torch.Tensor
 
     _init(layout)
     model_settings, optim = settings_for(path, layout)
+    model_settings.recompute = recompute
     model = build_role_model(model_settings, optimizer=optim, total_steps=10)
     grads: list[float] = []
 

@@ -46,9 +46,10 @@ def test_custom_dataset_loads_through_the_job_config(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_shipped_quickstart_config_runs_both_stages(tmp_path):
-    """configs/quickstart.yaml as the README runs it (from the repository root), shortened: every stage, the model
-    build, evaluation and a checkpoint. Its full numbers are in the README, measured by hand (too long for CI)."""
+@pytest.mark.parametrize("name", ["quickstart", "quickstart_moe"])
+def test_the_shipped_quickstart_config_runs_both_stages(tmp_path, name):
+    """configs/quickstart*.yaml as the README runs them (from the repository root), shortened: every stage, the model
+    build, evaluation and a checkpoint. Their full numbers are in the README, measured by hand (too long for CI)."""
     from job_helpers import megarl_train
 
     from megarl.trainer.metrics import read_metrics
@@ -61,9 +62,13 @@ def test_the_shipped_quickstart_config_runs_both_stages(tmp_path):
         "rl.num_steps=2",
         "checkpoint.every=2",
     ]
-    megarl_train(REPO / "configs/quickstart.yaml", *overrides, "rl.eval_every=2", "data.eval_max_samples=32")
+    megarl_train(REPO / f"configs/{name}.yaml", *overrides, "rl.eval_every=2", "data.eval_max_samples=32")
     records = read_metrics(run)
     assert [r["step"] for r in records if "sft/loss" in r] == [1, 2, 3, 4]
     evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
     assert len(evals) == 2 and all(0.0 <= accuracy <= 1.0 for accuracy in evals)  # after SFT, after GRPO
     assert (run / "checkpoints" / "latest").is_file() and (run / "plots" / "reward.png").is_file()
+    if name == "quickstart_moe":  # R3: every update replays the engine's experts, which fp32 routes as the actor does
+        steps = [r for r in records if "rollout/routing_replayed" in r]
+        assert [(r["rollout/routing_replayed"], r["rollout/routing_agreement"]) for r in steps] == [(1.0, 1.0)] * 2
+        assert (run / "plots" / "routing.png").is_file()

@@ -1,4 +1,4 @@
-"""The shipped GPU job configs (configs/*.yaml, the CPU quickstart aside) load with the real loader and their plans
+"""The shipped GPU job configs (configs/*.yaml, the CPU quickstarts aside) load with the real loader and their plans
 fit the clusters they name."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from megarl.config.loader import load_config
 from megarl.plan import run_plan
 from megarl.plan.planner import load_for_planning
 
-CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml") if p.stem != "quickstart")
+CONFIGS = sorted(
+    p for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml") if not p.stem.startswith("quickstart")
+)
 
 
 @pytest.fixture

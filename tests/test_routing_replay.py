@@ -112,3 +112,19 @@ def test_replay_brings_bf16_trainer_logprobs_closer_to_the_engines(ranks4, hf_ch
     replayed_gap = (replayed - batch["rollout_logprobs"])[response].abs().mean()
     assert 0.95 < agreement < 1.0, "the engine and the trainer should disagree on a few routings"
     assert replayed_gap < 0.95 * live_gap
+
+
+@pytest.mark.parametrize("layout", [P(), P(pp=2, ep=2)], ids=layout_id)
+def test_backward_recompute_replays_the_same_experts(ranks4, hf_checkpoint, layout):
+    # activation recomputation runs each layer's forward again inside backward; with several micro-batches in flight
+    # (1F1B) each router must take that micro-batch's targets again, or the gradients change
+    folder = hf_checkpoint("tiny-qwen3-moe")
+    routing = routing_layout(load_hf_config(folder))
+    batch = random_batch(8, vocab_size=1000, seed=7)
+    batch = batch.with_tensors(routed_experts=random_routing(batch, routing), routing_mask=recorded_mask(batch))
+    weights = batch["response_mask"] / batch["response_mask"].sum()
+    plain = ranks4.run(replay_gradients, str(folder), layout, batch, weights, 48)
+    recomputed = ranks4.run(replay_gradients, str(folder), layout, batch, weights, 48, True)
+    for (a, grad_a), (b, grad_b) in zip(plain, recomputed):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6) and a["loss"] == pytest.approx(b["loss"])
+        assert grad_a == pytest.approx(grad_b, rel=1e-6)

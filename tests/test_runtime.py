@@ -37,6 +37,19 @@ def compat_facts() -> dict:
     facts["dtype_to_untouched"] = t.to(torch.float16).dtype == torch.float16
     torch.cuda.synchronize()
 
+    class MakesCudaTensorsInBackward(torch.autograd.Function):  # as Megatron's all-gather and recompute do
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * torch.ones(2, device=torch.cuda.current_device())
+
+    x = torch.ones(2, requires_grad=True)
+    MakesCudaTensorsInBackward.apply(x).sum().backward()
+    facts["backward"] = x.grad.tolist()
+
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
@@ -83,6 +96,7 @@ def test_cpu_compat_redirects_cuda_uses(ranks1):
         "cuda_is_identity": True,
         "device_context": "cpu",
         "dtype_to_untouched": True,
+        "backward": [1.0, 1.0],
         "te_general_gemm": None,
         "mla_have_te": False,
     }

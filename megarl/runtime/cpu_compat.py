@@ -10,6 +10,7 @@ What is redirected, and why:
 - the CUDA RNG (`torch.cuda.manual_seed`, `get/set_rng_state`, Megatron's `tensor_parallel.random` helpers) becomes
   the CPU generator, so Megatron's RNG tracker forks CPU states the way it forks CUDA states on a GPU.
 - `torch.cuda.synchronize()` is a no-op.
+- custom autograd functions' backward (run by the autograd engine without the caller's modes) runs under the mode.
 - flags that claim Transformer Engine where it is absent: `moe_utils.te_general_gemm` must be None and
   `multi_latent_attention.HAVE_TE` must be False.
 """
@@ -116,4 +117,20 @@ def activate() -> bool:
         _patch_megatron()
         _active_mode = CudaToCpuMode()
         _active_mode.__enter__()
+        _patch_custom_backward()
     return True
+
+
+def _patch_custom_backward() -> None:
+    """The autograd engine runs backward without the caller's torch function modes, and Megatron's custom autograd
+    functions create CUDA tensors in their backward too (the expert-parallel all-gather, activation recomputation):
+    their backward runs under the mode as well."""
+    from torch.autograd.function import BackwardCFunction
+
+    run_backward = BackwardCFunction.apply
+
+    def apply(self, *args):
+        with CudaToCpuMode():
+            return run_backward(self, *args)
+
+    BackwardCFunction.apply = apply
