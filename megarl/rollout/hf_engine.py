@@ -6,6 +6,9 @@ real token, so a row's numbers do not depend on its neighbors; the `n` completio
 prefill's KV cache rows. Decoding feeds one token per row per step through the KV cache; rows that finish leave
 the batch (their cache rows are dropped). Sampling draws from one generator per completion (see hf_sampling.py).
 
+With `record_routing` (MoE models) hooks on the HF routers record the experts of every token fed, prefill and
+decode alike, into each completion's `routed_experts` (megarl/rollout/routing.py).
+
 Weights arrive as buckets of checkpoint-named tensors and are written in place by `WeightLoader` (hf_weights.py).
 The engine is single-user: `generate` and the weight-update calls serialize on one lock; `abort` and `health` may
 be called from any thread at any time.

@@ -40,6 +40,10 @@ close the session, set the version, flush the radix cache (always), continue gen
 weights, or left with a partial update (a refused bucket, a sync abandoned by the trainer), refuses to generate
 until an update completes; `verify_weights` compares SGLang's own checksums with the tensors sent.
 
+**Routed experts** (MoE models, `record_routing`): the server runs with --enable-return-routed-experts, each
+/generate body asks for `return_routed_experts`, and each item's `meta_info["routed_experts"]` (base64 int32 rows
+[prompt + output - 1, decoder layers, topk]) becomes the completion's `routed_experts` (megarl/rollout/routing.py).
+
 **Context window.** SGLang fails a whole batch when one item does not fit its context window; every item is fitted
 before it is sent (build_generate_payload: max_new_tokens clamped, items with no room left out and counted).
 
