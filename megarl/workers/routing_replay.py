@@ -56,6 +56,8 @@ class ReplayRouter(_replay_base()):
         """Per forward call: (tokens whose live top-k equals the target [T] bool, tokens compared [T] bool)."""
         self.recorded: list[torch.Tensor] = []
         """Per forward call (record mode): the live choice [T, k]."""
+        self.scored: torch.Tensor | None = None
+        """This micro-batch's tokens whose routing changes a log-prob (all but each sample's last) [T] bool."""
         self.num_replayed = 0
         self.num_scored = 0
 
@@ -74,24 +76,25 @@ class ReplayRouter(_replay_base()):
         live = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         if self.mode is None:
             return live
-        if _in_backward():  # recomputation: the targets of the micro-batch being recomputed
+        recomputing = _in_backward()
+        if recomputing:  # the targets of the micro-batch being recomputed, oldest first
             target, mask = self.replay_backward_list.pop(0), self.backward_masks.pop(0)
         else:
             target, mask = self.target_topk_idx, self.mask
         live_idx = live[1]
-        if self.mode == "record" and not _in_backward():
+        if self.mode == "record" and not recomputing:
             self.recorded.append(live_idx.detach())
         if target is None:
             return live
         target = target.to(live_idx.device, torch.long)
         same = (live_idx.sort(dim=-1).values == target.sort(dim=-1).values).all(dim=-1)
-        if not _in_backward():
+        if not recomputing:
             self.observed.append((same & mask, mask))
         if self.mode in ("observe", "record"):
             return live
         # where the live set is the target already, keep its order: the weights then sum in the same order
         chosen = torch.where((mask & ~same)[:, None], target, live_idx)
-        if not _in_backward():  # device counters: read once, after the step (replayed_fraction)
+        if not recomputing:  # device counters: read once, after the step (replayed_fraction)
             self.num_replayed = self.num_replayed + (mask & self.scored).sum()
             self.num_scored = self.num_scored + self.scored.sum()
         return scores.gather(1, chosen), chosen
