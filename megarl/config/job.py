@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megarl.agents.config import AgentConfig
 from megarl.algorithms.config import AlgorithmConfig
 from megarl.cluster.config import ClusterConfig
 from megarl.data.config import PromptDataConfig
@@ -158,6 +159,8 @@ class JobConfig:
     """Used when a KL to the reference policy is on (algorithm.kl.coef or policy_loss.kl_loss_coef)."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn rollouts with an environment and tools (megarl/agents/); off unless agent.env is set."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: PromptDataConfig = field(default_factory=PromptDataConfig)
@@ -216,6 +219,11 @@ class JobConfig:
             raise UserError(
                 "rl.mode=async (asynchronous RL) needs placement.mode=split: rollout and training run at the same "
                 "time on different GPUs"
+            )
+        if self.agent.enabled and self.rl.mode == "async":
+            raise UserError(
+                f"agent.env={self.agent.env!r} (multi-turn episodes) runs with rl.mode=sync only so far; use "
+                "rl.mode=sync"
             )
         if self.algorithm.routing_replay == "rollout" and self.rollout.routed_experts == "off":
             raise UserError(

@@ -50,21 +50,30 @@ def load_reward_fn(spec: str, key: str = "reward.fn") -> RewardFn:
             f"{key}={spec!r} is not a built-in reward function; valid: {', '.join(sorted(BUILTIN_REWARDS))}, or "
             f"'module.path:function' / 'path/to/file.py:function'{hint}"
         )
+    fn = load_object(spec, key)
+    if not callable(fn):
+        raise UserError(
+            f"{key}={spec!r}: {spec.rpartition(':')[2]} is a {type(fn).__name__}, not a callable reward function"
+        )
+    return fn
+
+
+def load_object(spec: str, key: str, kind: str = "functions") -> Any:
+    """What `spec` ('module.path:name' or 'path/to/file.py:name') names; UserError naming `key` otherwise, listing
+    the module's public `kind` ("functions" or "classes") as the valid choices."""
     target, _, name = spec.rpartition(":")
     if not target or not name:
         raise UserError(f"{key}={spec!r} must be {_SPEC_FORMS}")
     module = _load_file(target, spec, key) if is_file_spec(spec) else _import_module(target, spec, key)
     if not hasattr(module, name):
-        functions = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
-        close = difflib.get_close_matches(name, functions, n=1)
+        wanted = inspect.isclass if kind == "classes" else inspect.isfunction
+        choices = sorted(n for n, v in vars(module).items() if wanted(v) and not n.startswith("_"))
+        close = difflib.get_close_matches(name, choices, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise UserError(
-            f"{key}={spec!r}: {target} has no attribute {name!r}; its functions: {', '.join(functions) or 'none'}{hint}"
+            f"{key}={spec!r}: {target} has no attribute {name!r}; its {kind}: {', '.join(choices) or 'none'}{hint}"
         )
-    fn = getattr(module, name)
-    if not callable(fn):
-        raise UserError(f"{key}={spec!r}: {name} is a {type(fn).__name__}, not a callable reward function")
-    return fn
+    return getattr(module, name)
 
 
 def check_reward_fn(spec: str, kwargs: Mapping[str, Any], key: str) -> None:

@@ -102,6 +102,10 @@ def preflight(config: JobConfig, check_memory: bool = True, off_machine: bool = 
         )
     if config.rl_stages:
         rollout_quantization(config.rollout, config.model.path)  # an FP8 format the engines cannot take is named
+    if config.rl_stages and config.agent.enabled:
+        from megarl.agents.environment import load_environment
+
+        load_environment(config.agent.env, config.agent.env_kwargs)  # a bad name or constructor fails here
     if config.rl_stages and config.algorithm.routing_replay != "off" and arch.moe is None:
         warnings.warn(
             f"algorithm.routing_replay={config.algorithm.routing_replay} has no effect: {hf_config.model_type} is "

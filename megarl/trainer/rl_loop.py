@@ -5,6 +5,9 @@ Every blocking call is visible here; the arithmetic is in megarl/algorithms, the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from megarl.agents.environment import load_environment
 from megarl.algorithms.dapo import keep_groups
 from megarl.algorithms.losses import PolicyLoss, ValueLoss
 from megarl.config.job import JobConfig
@@ -12,12 +15,16 @@ from megarl.data.batch import Batch
 from megarl.data.prompts import PromptSampler
 from megarl.rewards.runner import RewardRunner
 from megarl.trainer import rl_steps
+from megarl.trainer.agent_rollout import generate_agent_batch
 from megarl.trainer.engine_sync import WeightSync
 from megarl.trainer.handover import Handover
 from megarl.trainer.roles import Roles
-from megarl.trainer.rollout_step import generate_batch, rollout_metrics
+from megarl.trainer.rollout_step import RolloutResult, generate_batch, rollout_metrics
 from megarl.trainer.routing import RoutingPlan, routing_plan
 from megarl.trainer.steps import Steps
+
+Generator = Callable[[list, int], RolloutResult]
+"""(prompt samples, seed step) -> a collated rollout of them."""
 
 
 def run_rl(
@@ -36,9 +43,10 @@ def run_rl(
     critic_loss = ValueLoss(algorithm.value_loss) if roles.critic is not None else None
     samplers = {"prompts": sampler}
     routing = routing_plan(config)  # MoE models: routing replay and its metrics
+    generate = _generator(config, roles, tokenizer, routing)
     while steps.state.step < rl.num_steps:
         # generate + reward (+ DAPO refill); colocated: the engines hold the GPUs
-        batch, metrics, num_tokens = _rollouts(config, roles, tokenizer, rewards, sampler, steps, handover, routing)
+        batch, metrics, num_tokens = _rollouts(config, roles, generate, rewards, sampler, steps, handover)
         with steps.phase("handover"):
             handover.to_training()  # colocated: the engines release the GPUs, the roles onload
         with steps.phase("logprobs"):
@@ -53,15 +61,25 @@ def run_rl(
         steps.end(metrics, rl.num_steps, samplers, batch, rl.eval_every, num_tokens)
 
 
+def _generator(config: JobConfig, roles: Roles, tokenizer, routing: RoutingPlan | None) -> Generator:
+    """Rollouts of one draw: single-turn completions, or multi-turn episodes when agent.env is set."""
+    rollout, sampling, seed = roles.rollout, config.rollout.sampling, config.run.seed
+    if not config.agent.enabled:
+        return lambda samples, step: generate_batch(rollout, samples, sampling, tokenizer, seed, step, routing)
+    agent, make_env = config.agent, load_environment(config.agent.env, config.agent.env_kwargs)
+    return lambda samples, step: generate_agent_batch(
+        rollout, samples, sampling, tokenizer, seed, step, agent, make_env
+    )
+
+
 def _rollouts(
     config: JobConfig,
     roles: Roles,
-    tokenizer,
+    generate: Generator,
     rewards: RewardRunner,
     sampler: PromptSampler,
     steps: Steps,
     handover: Handover,
-    routing: RoutingPlan | None,
 ) -> tuple[Batch, dict[str, float], int]:
     """A scored rollout batch of rl.prompts_per_step prompt groups. With DAPO dynamic sampling, groups whose
     completions all scored the same carry no signal: they are dropped and more prompts are drawn, up to
@@ -73,9 +91,7 @@ def _rollouts(
         with steps.phase("rollout"):
             handover.to_rollout()  # a no-op unless the roles took the GPUs back (e.g. for a checkpoint)
             seed_step = steps.state.global_step * 1000 + draw  # every draw of every step gets its own seeds
-            rollout = generate_batch(
-                roles.rollout, next(sampler), sampling, tokenizer, config.run.seed, seed_step, routing
-            )
+            rollout = generate(next(sampler), seed_step)
         with steps.phase("reward"):
             batch, reward_metrics = rl_steps.reward_batch(
                 rollout.batch, rewards, algorithm, sampling.max_new_tokens, roles.reward_model, rm_coef

@@ -50,13 +50,19 @@ def reward_batch(
 ) -> tuple[Batch, dict[str, float]]:
     """Score a rollout batch and place the rewards on its tokens (the reward phase of both RL loops)."""
     scores, metrics, _ = score_rollout(batch, runner, reward_model, rm_coef)
+    if "score_override" in batch:  # agent episodes whose environment failed score its failure reward
+        override = batch["score_override"]
+        scores = torch.where(override.isnan(), scores, override)
     return token_rewards(batch, scores, algorithm, max_new_tokens), metrics
 
 
 def token_rewards(batch: Batch, scores_B: torch.Tensor, algorithm: AlgorithmConfig, max_new_tokens: int) -> Batch:
-    """Scores placed on each sample's last response token, with DAPO's overlong shaping when configured."""
+    """Scores placed on each sample's last response token, with DAPO's overlong shaping when configured; agent
+    episodes add their environments' per-turn rewards (`env_rewards`)."""
     mask = batch["response_mask"]
     rewards = add_to_last_token(torch.zeros(mask.shape), mask, scores_B)
+    if "env_rewards" in batch:
+        rewards = rewards + batch["env_rewards"]
     if algorithm.dapo.overlong_buffer_len > 0:
         rewards, _ = apply_overlong_penalty(rewards, mask, algorithm.dapo, max_new_tokens)
     return batch.with_tensors(token_rewards=rewards, scores=scores_B)

@@ -19,6 +19,7 @@ import torch
 from megarl.data.batch import Batch
 from megarl.data.collate import make_rl_batch
 from megarl.data.prompts import PromptSample
+from megarl.data.render import pad_id_of
 from megarl.rollout.config import SamplingParams
 from megarl.rollout.engine import Completion, GenerateRequest, sample_seed
 from megarl.trainer.routing import RoutingPlan, add_rollout_routing
@@ -87,19 +88,12 @@ def collate_rollout(
             meta["label"].append(sample.label)
             meta["finish_reason"].append(out.finish_reason)
             meta["weight_version"].append(out.weight_version)
-    batch = make_rl_batch(prompt_ids, response_ids, pad_id=_pad_id(tokenizer), meta=meta, rollout_logprobs=logprobs)
+    batch = make_rl_batch(prompt_ids, response_ids, pad_id=pad_id_of(tokenizer), meta=meta, rollout_logprobs=logprobs)
     batch = batch.with_tensors(group_ids=torch.tensor(group_ids, dtype=torch.long))
     metrics: dict[str, float] = {}
     if routing is not None and routing.layout is not None:
         batch, metrics = add_rollout_routing(batch, routed, routing, names)
     return RolloutResult(batch, sum(len(r) for r in response_ids), metrics)
-
-
-def _pad_id(tokenizer) -> int:
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
-        if candidate is not None:
-            return int(candidate)
-    return 0
 
 
 def rollout_metrics(batch: Batch) -> dict[str, float]:
