@@ -36,6 +36,9 @@ def score_rollout(
         rm_scores = reward_model.call("compute_scores", batch, dispatch="dp_split", collect="dp_leaders")["scores"]
         metrics["reward/model_score"] = rm_scores.mean().item()
         scores = scores + rm_coef * rm_scores
+    if "score_override" in batch:  # agent episodes whose environment failed score agent.failure_reward
+        override = batch["score_override"]
+        scores = torch.where(override.isnan(), scores, override)
     metrics.update({"reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0})
     return scores, metrics, result.extras
 
@@ -50,9 +53,6 @@ def reward_batch(
 ) -> tuple[Batch, dict[str, float]]:
     """Score a rollout batch and place the rewards on its tokens (the reward phase of both RL loops)."""
     scores, metrics, _ = score_rollout(batch, runner, reward_model, rm_coef)
-    if "score_override" in batch:  # agent episodes whose environment failed score its failure reward
-        override = batch["score_override"]
-        scores = torch.where(override.isnan(), scores, override)
     return token_rewards(batch, scores, algorithm, max_new_tokens), metrics
 
 

@@ -45,3 +45,16 @@ class AsyncScripted(Scripted):
     async def step(self, action: str) -> StepResult:
         await asyncio.sleep(0.01)
         return super().step(action)
+
+
+class AlwaysFails(Environment):
+    """Half the episodes raise at their first step, the other half hang past the deadline."""
+
+    def reset(self, sample):
+        self.index = sample.index
+        return None
+
+    def step(self, action: str) -> StepResult:
+        if self.index % 2:
+            time.sleep(30)
+        raise ValueError("broken on purpose")
