@@ -11,9 +11,10 @@ Either method may be `async def`; plain ones run in a worker thread, so a slow o
 call has a deadline (`agent.step_timeout_s`); a call that raises, hangs past it, or returns the wrong thing ends
 that episode (counted, with `agent.failure_reward`), never the run.
 
-`ToolEnvironment` is the built-in one: it runs the tool calls of each model turn (tool_calls.py formats) and
-answers with their results; a turn without a tool call is the final answer (done). Malformed calls and tool errors
-become observations the model can learn from.
+`ToolEnvironment` is the built-in one (`agent.env: tools`): it runs the tool calls of each model turn (tool_calls.py
+formats) with the calculator and the isolated Python tool (code_tool.py), and answers with their results; a turn
+without a tool call is the final answer (done). Malformed calls and tool errors become observations the model can
+learn from.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import asyncio
 import contextlib
 import inspect
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from megarl.agents.calculator import CalculatorError, calculate
-from megarl.agents.tool_calls import ToolCall, ToolCallError, parse_tool_calls
+from megarl.agents.code_tool import CodeToolConfig, run_python
+from megarl.agents.tool_calls import FORMATS, ToolCall, ToolCallError, parse_tool_calls
 from megarl.errors import UserError
 
 
@@ -114,14 +116,44 @@ def calculator_tool(arguments: Mapping[str, Any]) -> str:
     return calculate(expression)
 
 
-BUILTIN_TOOLS: dict[str, ToolFn] = {"calculator": calculator_tool}
+def python_tool(limits: CodeToolConfig) -> ToolFn:
+    """{"code": "..."} (hermes) or {"input": "..."} (tag) -> the output of the code, run isolated (code_tool.py)."""
+
+    def run(arguments: Mapping[str, Any]) -> str:
+        code = arguments.get("code", arguments.get("input"))
+        if not isinstance(code, str):
+            raise ValueError('give the code as {"code": "..."}')
+        return run_python(code, limits)
+
+    return run
+
+
+BUILTIN_TOOLS = ("calculator", "python")
 
 
 class ToolEnvironment(Environment):
-    """Runs the model's tool calls; the first turn without one ends the episode (its text is the answer)."""
+    """Runs the model's tool calls; the first turn without one ends the episode (its text is the answer).
 
-    def __init__(self, tools: Mapping[str, ToolFn] | None = None, tool_format: str = "hermes", max_chars: int = 1000):
-        self.tools = dict(BUILTIN_TOOLS if tools is None else tools)
+    `tools`: names among BUILTIN_TOOLS; `code_limits`: CodeToolConfig fields of the python tool; `max_chars`: each
+    tool answer cut to this length."""
+
+    def __init__(
+        self,
+        tools: Sequence[str] = ("calculator",),
+        tool_format: str = "hermes",
+        max_chars: int = 1000,
+        code_limits: Mapping[str, Any] | None = None,
+    ):
+        unknown = sorted(set(tools) - set(BUILTIN_TOOLS))
+        if unknown:
+            raise UserError(f"agent.env_kwargs.tools: no built-in tools {unknown}; valid: {', '.join(BUILTIN_TOOLS)}")
+        if tool_format not in FORMATS:
+            raise UserError(f"agent.env_kwargs.tool_format={tool_format!r}: valid are {', '.join(FORMATS)}")
+        made = {
+            "calculator": lambda: calculator_tool,
+            "python": lambda: python_tool(CodeToolConfig(**(code_limits or {}))),
+        }
+        self.tools: dict[str, ToolFn] = {name: made[name]() for name in tools}
         self.tool_format = tool_format
         self.max_chars = max_chars
 
@@ -152,6 +184,14 @@ def load_environment(spec: str, kwargs: Mapping[str, Any], key: str = "agent.env
     """A factory of the environment `spec` names (`module:Class` or `file.py:Class`; `tools` for the built-in
     ToolEnvironment), checked now: a bad name fails before any episode runs."""
     if spec == "tools":
+        try:
+            ToolEnvironment(**kwargs)  # checks the names and the limits now
+        except TypeError as e:
+            raise UserError(f"{key}=tools cannot be built with agent.env_kwargs {dict(kwargs)}: {e}") from None
+        if "python" in kwargs.get("tools", ()):
+            from megarl.agents.code_tool import check_sandbox
+
+            check_sandbox()  # code runs isolated, or not at all
         return lambda: ToolEnvironment(**kwargs)
     from megarl.rewards.plugins import load_object
 
