@@ -15,14 +15,29 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megarl.agents.config import AgentConfig
-from megarl.agents.environment import Environment
+from megarl.agents.environment import Environment, load_environment
 from megarl.agents.episodes import Episode, episode_metrics, run_episodes
 from megarl.data.collate import make_rl_batch
 from megarl.data.render import pad_id_of
 from megarl.rollout.config import SamplingParams
-from megarl.trainer.rollout_step import RolloutResult, generate_on_engines, request_seed
+from megarl.trainer.rollout_step import RolloutResult, generate_batch, generate_on_engines, request_seed
 
 _FINISH_REASONS = {"answer": "stop", "max_turns": "length", "truncated": "length", "failed": "abort"}
+
+Generator = Callable[[list, int], RolloutResult]
+"""(prompt samples, seed step) -> a collated rollout of them."""
+
+
+def rollout_generator(config, rollout_group, tokenizer, sampling: SamplingParams, routing=None) -> Generator:
+    """How a job (a JobConfig) generates with `sampling`: single-turn completions, or multi-turn episodes when
+    agent.env is set (training and evaluation alike)."""
+    seed = config.run.seed
+    if not config.agent.enabled:
+        return lambda samples, step: generate_batch(rollout_group, samples, sampling, tokenizer, seed, step, routing)
+    agent, make_env = config.agent, load_environment(config.agent.env, config.agent.env_kwargs)
+    return lambda samples, step: generate_agent_batch(
+        rollout_group, samples, sampling, tokenizer, seed, step, agent, make_env
+    )
 
 
 def generate_agent_batch(

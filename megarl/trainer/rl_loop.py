@@ -5,9 +5,6 @@ Every blocking call is visible here; the arithmetic is in megarl/algorithms, the
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from megarl.agents.environment import load_environment
 from megarl.algorithms.dapo import keep_groups
 from megarl.algorithms.losses import PolicyLoss, ValueLoss
 from megarl.config.job import JobConfig
@@ -15,16 +12,13 @@ from megarl.data.batch import Batch
 from megarl.data.prompts import PromptSampler
 from megarl.rewards.runner import RewardRunner
 from megarl.trainer import rl_steps
-from megarl.trainer.agent_rollout import generate_agent_batch
+from megarl.trainer.agent_rollout import Generator, rollout_generator
 from megarl.trainer.engine_sync import WeightSync
 from megarl.trainer.handover import Handover
 from megarl.trainer.roles import Roles
-from megarl.trainer.rollout_step import RolloutResult, generate_batch, rollout_metrics
-from megarl.trainer.routing import RoutingPlan, routing_plan
+from megarl.trainer.rollout_step import rollout_metrics
+from megarl.trainer.routing import routing_plan
 from megarl.trainer.steps import Steps
-
-Generator = Callable[[list, int], RolloutResult]
-"""(prompt samples, seed step) -> a collated rollout of them."""
 
 
 def run_rl(
@@ -43,7 +37,7 @@ def run_rl(
     critic_loss = ValueLoss(algorithm.value_loss) if roles.critic is not None else None
     samplers = {"prompts": sampler}
     routing = routing_plan(config)  # MoE models: routing replay and its metrics
-    generate = _generator(config, roles, tokenizer, routing)
+    generate = rollout_generator(config, roles.rollout, tokenizer, sampling, routing)
     while steps.state.step < rl.num_steps:
         # generate + reward (+ DAPO refill); colocated: the engines hold the GPUs
         batch, metrics, num_tokens = _rollouts(config, roles, generate, rewards, sampler, steps, handover)
@@ -59,17 +53,6 @@ def run_rl(
         with steps.phase("sync"):
             metrics.update(handover.to_rollout(sync))  # colocated: the engines take the GPUs back
         steps.end(metrics, rl.num_steps, samplers, batch, rl.eval_every, num_tokens)
-
-
-def _generator(config: JobConfig, roles: Roles, tokenizer, routing: RoutingPlan | None) -> Generator:
-    """Rollouts of one draw: single-turn completions, or multi-turn episodes when agent.env is set."""
-    rollout, sampling, seed = roles.rollout, config.rollout.sampling, config.run.seed
-    if not config.agent.enabled:
-        return lambda samples, step: generate_batch(rollout, samples, sampling, tokenizer, seed, step, routing)
-    agent, make_env = config.agent, load_environment(config.agent.env, config.agent.env_kwargs)
-    return lambda samples, step: generate_agent_batch(
-        rollout, samples, sampling, tokenizer, seed, step, agent, make_env
-    )
 
 
 def _rollouts(

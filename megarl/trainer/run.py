@@ -132,6 +132,7 @@ def _start(
     from megarl.cluster.ray_runtime import start_ray, stop_ray
     from megarl.rewards.runner import RewardRunner
     from megarl.rollout.weights_format import rollout_quantization
+    from megarl.trainer.agent_rollout import rollout_generator
     from megarl.trainer.checkpointer import Checkpointer
     from megarl.trainer.engine_sync import WeightSync
     from megarl.trainer.evaluation import Evaluator
@@ -174,8 +175,8 @@ def _start(
         trained["reward_model"] = roles.reward_model
     evaluator = None
     if data.eval_prompts is not None and len(data.eval_prompts):
-        sampling = config.rollout.eval_sampling
-        evaluator = Evaluator(roles.rollout, data.eval_prompts, sampling, tokenizer, rewards, config.run.seed, handover)
+        generate = rollout_generator(config, roles.rollout, tokenizer, config.rollout.eval_sampling)
+        evaluator = Evaluator(generate, data.eval_prompts, rewards, handover)
     steps = Steps(
         state,
         logger,
