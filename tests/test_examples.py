@@ -46,7 +46,7 @@ def test_custom_dataset_loads_through_the_job_config(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["quickstart", "quickstart_moe"])
+@pytest.mark.parametrize("name", ["quickstart", "quickstart_moe", "agent_quickstart"])
 def test_the_shipped_quickstart_config_runs_both_stages(tmp_path, name):
     """configs/quickstart*.yaml as the README runs them (from the repository root), shortened: every stage, the model
     build, evaluation and a checkpoint. Their full numbers are in the README, measured by hand (too long for CI)."""
@@ -72,3 +72,7 @@ def test_the_shipped_quickstart_config_runs_both_stages(tmp_path, name):
         steps = [r for r in records if "rollout/routing_replayed" in r]
         assert [(r["rollout/routing_replayed"], r["rollout/routing_agreement"]) for r in steps] == [(1.0, 1.0)] * 2
         assert (run / "plots" / "routing.png").is_file()
+    if name == "agent_quickstart":  # multi-turn episodes with the calculator, in training and evaluation
+        assert all("agent/tool_use_rate" in r for r in records if "reward/mean" in r)
+        assert all("eval/tool_use_rate" in r for r in records if "eval/accuracy" in r)
+        assert (run / "plots" / "agent.png").is_file()

@@ -13,7 +13,7 @@ from megarl.plan import run_plan
 from megarl.plan.planner import load_for_planning
 
 CONFIGS = sorted(
-    p for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml") if not p.stem.startswith("quickstart")
+    p for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml") if "quickstart" not in p.stem
 )
 
 

@@ -93,3 +93,27 @@ def test_bad_task_and_too_many_eval_problems():
         AdditionTask(forget_carry=1.5).check()
     with pytest.raises(UserError, match="distinct eval problems"):
         make_problems(AdditionTask(num_digits=1), "eval", 50, random.Random(0), unique=True)
+
+
+def test_committed_agent_quickstart_files_match_the_generator(tmp_path):
+    """examples/agent_quickstart/ is what `python -m megarl.data.synthetic_agent` writes."""
+    from megarl.data.synthetic_agent import AGENT_QUICKSTART_DIR, write_agent_quickstart_data
+
+    for name, path in write_agent_quickstart_data(tmp_path).items():
+        assert (AGENT_QUICKSTART_DIR / f"{name}.jsonl").read_bytes() == path.read_bytes(), name
+
+
+def test_agent_demonstrations_call_the_calculator_or_guess_wrong():
+    from megarl.agents.tool_calls import parse_tool_calls
+    from megarl.data.synthetic_agent import MultiplicationTask, Product, make_products
+
+    product = Product(37, 48)
+    assert product.with_tool() == "<tool>calculator(37*48)</tool> = 1776\n#### 1776"
+    (call,) = parse_tool_calls(product.with_tool(), "tag")
+    assert call.name == "calculator" and call.arguments == {"input": "37*48"}
+    rng = random.Random(0)
+    guesses = [product.guessed(rng) for _ in range(50)]
+    assert all(g.startswith("#### 1") and g != "#### 1776" and len(g) == len("#### 1776") for g in guesses)
+    train = make_products(MultiplicationTask(), "train", 300, random.Random(1))
+    held_out = make_products(MultiplicationTask(), "eval", 30, random.Random(2), unique=True)
+    assert not {p.prompt for p in train} & {p.prompt for p in held_out}

@@ -122,7 +122,12 @@ def column_steps(a: int, b: int, forget_carry: bool = False) -> list[ColumnStep]
 
 def split_of(problem: Problem, eval_fraction: float) -> Split:
     """The problem's split, from a stable hash of its prompt (not Python's salted hash())."""
-    first_byte = hashlib.sha256(f"{problem.a}+{problem.b}".encode()).digest()[0]
+    return split_of_text(f"{problem.a}+{problem.b}", eval_fraction)
+
+
+def split_of_text(key: str, eval_fraction: float) -> Split:
+    """A split from the first byte of sha256(key): the same on every machine and Python version."""
+    first_byte = hashlib.sha256(key.encode()).digest()[0]
     return "eval" if first_byte < round(256 * eval_fraction) else "train"
 
 

@@ -62,6 +62,12 @@ PLOT_GROUPS = (
     PlotGroup("response_length", "Response length", "tokens", (r"^(response|prompt)_length/(mean|min|max|std)$",)),
     PlotGroup("mismatch", "Training-inference mismatch", "mismatch", (r"^mismatch/",)),
     PlotGroup("routing", "MoE routing: engine vs trainer", "fraction", (r"^rollout/routing_(agreement|replayed)",)),
+    PlotGroup(
+        "agent",
+        "Agent episodes: accuracy and tool use",
+        "fraction of episodes",
+        (r"^eval/accuracy$", r"^(agent|eval)/tool_use_rate$", r"^agent/(truncated|failed)$"),
+    ),
     PlotGroup("timing", "Time per step", "seconds", (rf"^{TIMING_PREFIX}",), kind="stacked", smooth=False),
     PlotGroup("throughput", "Throughput", "tokens / s", (r"^throughput/",)),
     PlotGroup("memory", "Memory at the end of each phase", "GiB", (r"^memory/",), smooth=False),
