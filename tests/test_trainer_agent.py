@@ -32,3 +32,21 @@ def test_failing_and_hanging_environments_score_their_failure_reward(tmp_path):
     megarl_train(write_config(tmp_path, "[grpo]", 2, agent))
     steps = metrics(tmp_path / "run")
     assert [(s["agent/failed"], s["reward/mean"]) for s in steps] == [(1.0, -1.0)] * 2
+
+
+@pytest.mark.slow
+def test_async_episodes_stream_into_the_staleness_bounded_trainer(tmp_path):
+    # the producer plays episodes a step ahead; weight syncs interrupt model turns, which resume under the new
+    # weights with their tokens so far (each token keeps the version that sampled it)
+    agent = (
+        f'agent: {{env: "{ENVS}:Scripted", env_kwargs: {{turns: 1}}, observation_template: "[{{content}}]"}}\n'
+        "algorithm: {off_policy: {mode: tis, clip: 2.0}}"
+    )
+    config = write_config(tmp_path, "[grpo]", 4, agent, tp=1)
+    async_mode = ["rl.mode=async", "rl.max_staleness=1", "rl.stale_policy=wait"]
+    megarl_train(config, "placement.mode=split", "placement.rollout_gpus=1", *async_mode)
+    steps = metrics(tmp_path / "run")
+    assert len(steps) == 4
+    for step in steps:
+        assert step["agent/turns_mean"] == 2.0 and step["agent/failed"] == 0.0
+        assert step["async/staleness_max"] <= 1 and step["async/dropped"] == 0

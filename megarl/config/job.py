@@ -220,11 +220,6 @@ class JobConfig:
                 "rl.mode=async (asynchronous RL) needs placement.mode=split: rollout and training run at the same "
                 "time on different GPUs"
             )
-        if self.agent.enabled and self.rl.mode == "async":
-            raise UserError(
-                f"agent.env={self.agent.env!r} (multi-turn episodes) runs with rl.mode=sync only so far; use "
-                "rl.mode=sync"
-            )
         if self.algorithm.routing_replay == "rollout" and self.rollout.routed_experts == "off":
             raise UserError(
                 "algorithm.routing_replay=rollout replays the experts the rollout engine chose, but "

@@ -4,7 +4,9 @@ Row i is prompt_i followed by its trajectory (model turns and observations, toke
 `response_mask` is the trajectory's loss mask (1 only on model-sampled tokens), so every loss, advantage and
 metric of the trainer counts model tokens only (GAE runs over the model tokens, skipping observations);
 `rollout_logprobs` are the engine's on model tokens. Per-sample extras: `env_rewards` [B, S] (the environment's
-per-turn rewards, on the last token of each model turn), `score_override` [B] (the failure reward of an episode
+per-turn rewards, on the last token of each model turn), `token_versions` [B, S] (the weight version that sampled
+each model token, -1 on observations: turns of one episode may come from different versions in async runs),
+`score_override` [B] (the failure reward of an episode
 whose environment failed, NaN otherwise). The verifier reads the episode's last model turn (meta `response`).
 """
 
@@ -78,6 +80,7 @@ def collate_episodes(samples: Sequence, episodes: list[list[Episode]], tokenizer
         rollout_logprobs=[t.logprobs for t in trajectories],
         loss_mask=[torch.tensor(t.loss_mask, dtype=torch.long) for t in trajectories],
         env_rewards=[_turn_rewards(e) for _, e in flat],
+        token_versions=[torch.tensor(t.versions, dtype=torch.long) for t in trajectories],
     )
     failed = torch.tensor([e.finish == "failed" for _, e in flat])
     batch = batch.with_tensors(

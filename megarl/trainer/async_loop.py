@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from megarl.agents.environment import load_environment
 from megarl.algorithms.config import OffPolicyConfig
 from megarl.algorithms.losses import PolicyLoss, ValueLoss
 from megarl.algorithms.off_policy import off_policy_weights
@@ -37,7 +38,7 @@ from megarl.trainer import rl_steps
 from megarl.trainer.engine_sync import WeightSync
 from megarl.trainer.roles import Roles
 from megarl.trainer.rollout_buffer import OLDEST_VERSION, RolloutBuffer, TakenBatch
-from megarl.trainer.rollout_producer import DynamicSampling, EngineGroup, RolloutProducer
+from megarl.trainer.rollout_producer import AgentEpisodes, DynamicSampling, EngineGroup, RolloutProducer
 from megarl.trainer.routing import routing_plan
 from megarl.trainer.run_checkpoint import TrainerState
 from megarl.trainer.steps import Steps
@@ -129,6 +130,9 @@ def _producer(
         if dapo.dynamic_sampling
         else None,
         routing=routing_plan(config),
+        agent=AgentEpisodes(config.agent, load_environment(config.agent.env, config.agent.env_kwargs))
+        if config.agent.enabled
+        else None,
     )
 
 

@@ -30,14 +30,24 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
+from megarl.agents.config import AgentConfig
+from megarl.agents.environment import Environment
+from megarl.agents.episodes import run_episodes
 from megarl.algorithms.dapo import keep_groups
 from megarl.data.batch import Batch
 from megarl.data.prompts import PromptSample, PromptSampler
 from megarl.rollout.config import SamplingParams
 from megarl.rollout.engine import Completion, GenerateRequest, sample_seed
+from megarl.trainer.agent_rollout import collate_episodes
 from megarl.trainer.rl_steps import renumber_groups
 from megarl.trainer.rollout_buffer import OLDEST_VERSION, BufferClosed, RolloutBuffer, ScoredBatch, TakenBatch
-from megarl.trainer.rollout_step import collate_rollout, generate_on_engines, request_seed, rollout_metrics
+from megarl.trainer.rollout_step import (
+    RolloutResult,
+    collate_rollout,
+    generate_on_engines,
+    request_seed,
+    rollout_metrics,
+)
 from megarl.trainer.routing import RoutingPlan
 
 T = TypeVar("T")
@@ -104,10 +114,14 @@ class RolloutProducer:
         partial_rollout: Literal["abort", "resume"] = "resume",
         dynamic_sampling: DynamicSampling | None = None,
         routing: RoutingPlan | None = None,
+        agent: AgentEpisodes | None = None,
     ):
         self.engines = engines
         self.routing = routing
         """MoE models: the engines' routing goes into each batch (trainer/routing.py)."""
+        self.agent = agent
+        """Multi-turn episodes instead of single completions (agent.env set): their turns go through the same
+        interruptible generate calls, each token keeps the version that sampled it."""
         self.sampler = sampler
         self.score = score
         self.tokenizer = tokenizer
@@ -252,9 +266,8 @@ class RolloutProducer:
             samples = next(self.sampler)
             data_state = self.sampler.state_dict()
             start, idle_before = time.perf_counter(), self._idle_total_s
-            completions, interrupted = self._generate(samples, number * 1000 + draw)
-            result = collate_rollout(samples, completions, self.tokenizer, self.routing)
-            batch = _with_oldest_versions(result.batch, [c for group in completions for c in group])
+            result, interrupted = self._draw(samples, number * 1000 + draw)
+            batch = result.batch
             scored_at = time.perf_counter()
             batch, reward_metrics = self.score(batch)
             generate_s += scored_at - start - (self._idle_total_s - idle_before)  # not the pauses for weight syncs
@@ -282,17 +295,44 @@ class RolloutProducer:
         }
         return ScoredBatch(number, batch, metrics, num_tokens, data_state)
 
+    def _draw(self, samples: Sequence[PromptSample], seed_step: int) -> tuple[RolloutResult, int]:
+        """The collated rollout of `samples` (completions, or agent episodes) with OLDEST_VERSION per sample; also
+        how many generations weight syncs interrupted."""
+        if self.agent is None:
+            completions, interrupted = self._generate(samples, seed_step)
+            result = collate_rollout(samples, completions, self.tokenizer, self.routing)
+            versions = [oldest_version(c) for group in completions for c in group]
+            return _with_versions(result, versions), interrupted
+        counter = [0]
+
+        def generate(requests: list[GenerateRequest], sampling: SamplingParams) -> list[list[Completion]]:
+            completions, interrupted = self._generate_requests(requests, sampling)
+            counter[0] += interrupted
+            return completions
+
+        agent = self.agent
+        seeds = [request_seed(self.run_seed, seed_step, i) for i in range(len(samples))]
+        episodes = run_episodes(generate, samples, seeds, agent.make_env, agent.config, self.sampling, self.tokenizer)
+        result = collate_episodes(samples, episodes, self.tokenizer, agent.config)
+        versions = [min((v for v in e.trajectory.versions if v >= 0), default=0) for g in episodes for e in g]
+        return _with_versions(result, versions), counter[0]
+
     def _generate(self, samples: Sequence[PromptSample], seed_step: int) -> tuple[list[list[Completion]], int]:
         """`sampling.n` completions per prompt, through any number of interruptions by weight syncs; also returns
         how many sample interruptions there were."""
-        n = self.sampling.n
         requests = [
             GenerateRequest(s.prompt_ids, seed=request_seed(self.run_seed, seed_step, i), request_id=str(s.index))
             for i, s in enumerate(samples)
         ]
+        return self._generate_requests(requests, self.sampling)
+
+    def _generate_requests(
+        self, requests: list[GenerateRequest], sampling: SamplingParams
+    ) -> tuple[list[list[Completion]], int]:
+        """`sampling.n` completions of each request, resumed (or redone) after every interruption."""
+        n, base = sampling.n, sampling
         done: dict[tuple[int, int], Completion] = {}
         pending = [(request, [(i, j) for j in range(n)]) for i, request in enumerate(requests)]
-        sampling = self.sampling
         num_interrupted = 0
         while pending:
             outputs = self._engine_call([request for request, _ in pending], sampling)
@@ -304,7 +344,7 @@ class RolloutProducer:
                     else:
                         done[i, j] = completion
             num_interrupted += len(interrupted)
-            pending, sampling = interrupted, dataclasses.replace(self.sampling, n=1)
+            pending, sampling = interrupted, dataclasses.replace(base, n=1)
         return [[done[i, j] for j in range(n)] for i in range(len(requests))], num_interrupted
 
     def _continuation(self, request: GenerateRequest, j: int, partial: Completion) -> GenerateRequest:
@@ -351,5 +391,15 @@ def oldest_version(completion: Completion) -> int:
     return min(_token_versions(completion), default=completion.weight_version)
 
 
-def _with_oldest_versions(batch: Batch, completions: list[Completion]) -> Batch:
-    return Batch(batch.tensors, {**batch.meta, OLDEST_VERSION: [oldest_version(c) for c in completions]})
+def _with_versions(result: RolloutResult, oldest: list[int]) -> RolloutResult:
+    """The rollout with each sample's OLDEST_VERSION (the staleness rule's input)."""
+    batch = Batch(result.batch.tensors, {**result.batch.meta, OLDEST_VERSION: oldest})
+    return dataclasses.replace(result, batch=batch)
+
+
+@dataclass(frozen=True)
+class AgentEpisodes:
+    """What the producer needs to play multi-turn episodes."""
+
+    config: AgentConfig
+    make_env: Callable[[], Environment]
