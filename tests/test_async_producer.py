@@ -280,3 +280,41 @@ def test_rollout_idle_and_busy_time_add_up_to_the_step():
     for t, wall in times[1:]:
         assert t["async/rollout_idle_s"] + t["async/rollout_busy_s"] == pytest.approx(wall, abs=0.01)
         assert t["async/rollout_idle_s"] >= 0.09 and 0.02 <= t["async/rollout_busy_s"] < 0.1
+
+
+class CharTokenizer(FakeTokenizer):
+    def encode(self, text, add_special_tokens=False):
+        return [60 + ord(c) % 40 for c in text]
+
+
+def test_agent_episodes_resume_interrupted_turns_and_keep_each_tokens_version():
+    import sys
+    from pathlib import Path
+
+    from megarl.agents.config import AgentConfig
+    from megarl.trainer.rollout_producer import AgentEpisodes
+
+    sys.path.insert(0, str(Path(__file__).parent / "agent_fixtures"))
+    from envs import Scripted
+
+    engines = FakeEngines(token_s=0.02)
+    config = AgentConfig(env="x", max_turns=3, max_total_tokens=100, observation_template="[{content}]")
+    sampling = SamplingParams(n=N, temperature=1.0, max_new_tokens=6)
+    producer = RolloutProducer(
+        engines, sampler(), score, CharTokenizer(), sampling, RolloutBuffer(1, "wait"), run_seed=5,
+        agent=AgentEpisodes(config, lambda: Scripted(turns=1)),
+    )  # fmt: skip
+    with producer:
+        taken = train(producer, engines, 4, train_s=0.1)
+    mixed = 0
+    for _, t in taken:
+        batch = t.item.batch
+        assert max(t.staleness) <= 1
+        for i in range(len(batch)):
+            versions = batch["token_versions"][i][batch["response_mask"][i].bool()].tolist()
+            assert len(versions) == 12  # two model turns of 6 tokens, each resumed to its full length
+            assert versions == sorted(versions) and versions[0] == batch.meta[OLDEST_VERSION][i]
+            observation = batch["token_versions"][i][(batch["attention_mask"][i] - batch["response_mask"][i]).bool()]
+            assert (observation[-7:] == -1).all()  # "[obs 1]": tokenized once, sampled by no version
+            mixed += versions[0] != versions[-1]
+    assert mixed > 0 and sum(t.item.metrics["async/interrupted"] for _, t in taken) > 0
