@@ -146,3 +146,31 @@ def test_collated_episodes_train_on_model_tokens_only(engine, tokenizer):
     assert batch.meta["finish_reason"] == ["stop", "stop", "stop", "abort"]
     # "[task i]" and "[obs 1]", one token per character: 8 + 7 observation tokens in every episode
     assert result.metrics["agent/tokens_observation_mean"] == 15.0
+
+
+def test_continuous_schedule_overlaps_tools_with_generation(engine, tokenizer):
+    # one slow tool must not hold back the other episodes' turns: they go on generating while it runs
+    from envs import Scripted
+
+    class SlowForOne(Scripted):
+        def step(self, action):
+            if self.sample_index == 0:
+                time.sleep(1.0)
+            return super().step(action)
+
+        def reset(self, sample):
+            self.sample_index = sample.index
+            return None
+
+    sampling = SamplingParams(n=1, temperature=1.0, max_new_tokens=4, ignore_eos=True)
+    generate, calls = _recording(engine)
+    config = AgentConfig(env="x", max_turns=3, schedule="continuous", observation_template="[{content}]")
+    episodes = [g[0] for g in run_episodes(generate, _samples(4), [1, 2, 3, 4], lambda: SlowForOne(turns=2), config,
+                                           sampling, tokenizer)]  # fmt: skip
+    assert [(e.finish, e.trajectory.num_model_turns) for e in episodes] == [("answer", 3)] * 4
+    # the three fast episodes played all their turns in calls without the slow one
+    assert len(calls[0]) == 4 and any(len(call) == 3 for call in calls[1:]) and len(calls) >= 4
+    rounds = AgentConfig(env="x", max_turns=3, observation_template="[{content}]")
+    generate, calls = _recording(engine)
+    run_episodes(generate, _samples(4), [1, 2, 3, 4], lambda: SlowForOne(turns=2), rounds, sampling, tokenizer)
+    assert [len(call) for call in calls] == [4, 4, 4]

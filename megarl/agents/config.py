@@ -28,6 +28,10 @@ class AgentConfig:
     `observation_role`), or a template with {content} (tokenizers without a chat template)."""
     observation_role: str = "tool"
     """The chat-template role of observations."""
+    schedule: str = "rounds"
+    """`rounds`: all waiting episodes' turns in one generate call, then all environments step (reproducible);
+    `continuous`: an episode's next turn joins the next call as soon as its environment answered (generation and
+    tools overlap; batch composition follows tool timing, so runs are not bit-reproducible)."""
 
     @property
     def enabled(self) -> bool:
@@ -40,5 +44,7 @@ class AgentConfig:
             raise UserError(f"{key}.max_total_tokens={self.max_total_tokens} must be >= 1")
         if not self.step_timeout_s > 0:
             raise UserError(f"{key}.step_timeout_s={self.step_timeout_s} must be > 0")
+        if self.schedule not in ("rounds", "continuous"):
+            raise UserError(f"{key}.schedule={self.schedule!r}: valid are rounds, continuous")
         if self.observation_template is not None and "{content}" not in self.observation_template:
             raise UserError(f"{key}.observation_template={self.observation_template!r} must contain {{content}}")

@@ -1,8 +1,13 @@
 """Run multi-turn episodes over the rollout engines: many at once, turn by turn, token in, token out.
 
-Rounds: every episode waiting for the model goes into one generate call (the engines batch them); then the
-environments of all of them step concurrently (each in its own thread or coroutine, each with a deadline); then the
-next round. An episode ends when its environment says done (a final answer), at `agent.max_turns` model turns, at
+`agent.schedule: rounds` (default): every episode waiting for the model goes into one generate call (the engines
+batch them); then the environments of all of them step concurrently (each in its own thread or coroutine, each with
+a deadline); then the next round. Reproducible, but the engines wait while the slowest tool runs. `continuous`: each
+episode runs on its own and its next turn joins the next generate call as soon as its environment answered, so
+generation and tools overlap; which turns share a call then depends on tool timing, and so do the numbers (a turn's
+tokens do not depend on its neighbours in exact arithmetic, but floating-point batching does).
+
+An episode ends when its environment says done (a final answer), at `agent.max_turns` model turns, at
 `agent.max_total_tokens` tokens after the prompt (truncated: the overflowing turn is cut to the budget), or when its
 environment fails (raised, hung, wrong return: `failure_reward`, counted). Nothing an environment does stops the run.
 
@@ -67,11 +72,12 @@ def run_episodes(
         for s, seed in zip(samples, seeds)
     ]
     flat = [e for group in episodes for e in group]
-    asyncio.run(_play(generate, flat, config, replace(sampling, n=1), tokenizer, renderer))
+    play = _play_rounds if config.schedule == "rounds" else _play_continuous
+    asyncio.run(play(generate, flat, config, replace(sampling, n=1), tokenizer, renderer))
     return episodes
 
 
-async def _play(generate, episodes, config: AgentConfig, sampling, tokenizer, renderer) -> None:
+async def _play_rounds(generate, episodes, config: AgentConfig, sampling, tokenizer, renderer) -> None:
     await asyncio.gather(*(_reset(e, config, renderer) for e in episodes))
     for turn in range(config.max_turns):
         active = [e for e in episodes if not e.done]
@@ -87,6 +93,59 @@ async def _play(generate, episodes, config: AgentConfig, sampling, tokenizer, re
     for episode in episodes:
         if not episode.done:
             episode.finish = "max_turns"
+
+
+async def _play_continuous(generate, episodes, config: AgentConfig, sampling, tokenizer, renderer) -> None:
+    """Each episode on its own: its next turn joins the next generate call as soon as its environment answered,
+    while other episodes' tools still run (TurnBatcher)."""
+    batcher = TurnBatcher(generate, sampling)
+
+    async def play(episode: Episode) -> None:
+        await _reset(episode, config, renderer)
+        for turn in range(config.max_turns):
+            if episode.done:
+                return
+            request = GenerateRequest(episode.trajectory.context_ids, seed=sample_seed(episode.seed, turn))
+            if _add_model_turn(episode, await batcher.generate(request), config):
+                await _step(episode, config, tokenizer, renderer)
+        if not episode.done:
+            episode.finish = "max_turns"
+
+    await asyncio.gather(*(play(e) for e in episodes))
+
+
+class TurnBatcher:
+    """Model turns of many episodes into as few generate calls as keep the engines busy: turns asked for while a
+    call runs go together into the next one."""
+
+    def __init__(self, generate: Generate, sampling: SamplingParams):
+        self._generate, self._sampling = generate, sampling
+        self._waiting: list[tuple[GenerateRequest, asyncio.Future]] = []
+        self._running = False
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((request, future))
+        if not self._running:
+            self._running = True
+            asyncio.get_running_loop().create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self._waiting:
+                await asyncio.sleep(0)  # turns asked for in the same instant share the call
+                batch, self._waiting = self._waiting, []
+                try:
+                    outputs = await asyncio.to_thread(self._generate, [r for r, _ in batch], self._sampling)
+                except BaseException as e:  # the engines failed: every waiting episode's turn fails with it
+                    for _, future in batch:
+                        future.set_exception(e)
+                    continue
+                for (_, future), (completion,) in zip(batch, outputs):
+                    future.set_result(completion)
+        finally:
+            self._running = False
 
 
 async def _reset(episode: Episode, config: AgentConfig, renderer) -> None:
