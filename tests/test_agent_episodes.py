@@ -174,3 +174,22 @@ def test_continuous_schedule_overlaps_tools_with_generation(engine, tokenizer):
     generate, calls = _recording(engine)
     run_episodes(generate, _samples(4), [1, 2, 3, 4], lambda: SlowForOne(turns=2), rounds, sampling, tokenizer)
     assert [len(call) for call in calls] == [4, 4, 4]
+
+
+def test_gae_over_an_episode_skips_observation_tokens():
+    # PPO on a trajectory: model tokens, an observation, model tokens. GAE must run as if the observation were not
+    # there (the state after the observation is the "next" state of the last token before it).
+    import torch
+
+    from megarl.algorithms.advantages import AdvantageInputs, compute_advantages
+    from megarl.algorithms.config import AdvantageConfig
+
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1]])  # prompt, 2 model tokens, 2 observation tokens, 2 model tokens
+    rewards = torch.tensor([[0.0, 0.0, 0.5, 0.0, 0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.0, 0.2, 0.4, 9.0, 9.0, 0.6, 0.8]])  # values on observations must not matter
+    config = AdvantageConfig(estimator="gae", gamma=0.9, lam=0.8, gae_whiten=False)
+    advantages, _ = compute_advantages(AdvantageInputs(rewards, mask, values_BS=values), config)
+    compact = compute_advantages(
+        AdvantageInputs(rewards[:, [1, 2, 5, 6]], torch.ones(1, 4), values_BS=values[:, [1, 2, 5, 6]]), config
+    )[0]
+    assert torch.allclose(advantages[:, [1, 2, 5, 6]], compact) and (advantages[:, [0, 3, 4]] == 0).all()
