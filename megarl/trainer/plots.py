@@ -64,9 +64,9 @@ PLOT_GROUPS = (
     PlotGroup("routing", "MoE routing: engine vs trainer", "fraction", (r"^rollout/routing_(agreement|replayed)",)),
     PlotGroup(
         "agent",
-        "Agent episodes: accuracy and tool use",
+        "Agent episodes: tool use and how episodes end",
         "fraction of episodes",
-        (r"^eval/accuracy$", r"^(agent|eval)/tool_use_rate$", r"^agent/(truncated|failed)$"),
+        (r"^(agent|eval)/tool_use_rate$", r"^agent/(truncated|failed)$"),
     ),
     PlotGroup("timing", "Time per step", "seconds", (rf"^{TIMING_PREFIX}",), kind="stacked", smooth=False),
     PlotGroup("throughput", "Throughput", "tokens / s", (r"^throughput/",)),
