@@ -6,8 +6,8 @@ metric of the trainer counts model tokens only (GAE runs over the model tokens, 
 `rollout_logprobs` are the engine's on model tokens. Per-sample extras: `env_rewards` [B, S] (the environment's
 per-turn rewards, on the last token of each model turn), `token_versions` [B, S] (the weight version that sampled
 each model token, -1 on observations: turns of one episode may come from different versions in async runs),
-`score_override` [B] (the failure reward of an episode
-whose environment failed, NaN otherwise). The verifier reads the episode's last model turn (meta `response`).
+`score_override` [B] (the failure reward of an episode whose environment failed, NaN otherwise). The verifier reads
+the episode's last model turn (meta `response`).
 """
 
 from __future__ import annotations
