@@ -122,13 +122,14 @@ class TurnBatcher:
         self._generate, self._sampling = generate, sampling
         self._waiting: list[tuple[GenerateRequest, asyncio.Future]] = []
         self._running = False
+        self._task: asyncio.Task | None = None  # held: the loop keeps only weak references to its tasks
 
     async def generate(self, request: GenerateRequest) -> Completion:
         future = asyncio.get_running_loop().create_future()
         self._waiting.append((request, future))
         if not self._running:
             self._running = True
-            asyncio.get_running_loop().create_task(self._drain())
+            self._task = asyncio.get_running_loop().create_task(self._drain())
         return await future
 
     async def _drain(self) -> None:
