@@ -64,8 +64,9 @@ def routing_passes(path: str, layout, batch: Batch, random_routing: torch.Tensor
 
 def recorded_mask(batch: Batch) -> torch.Tensor:
     """1 on every token but each sample's last: where a recorded routing exists."""
-    real = batch["attention_mask"].bool()
-    return torch.nn.functional.pad(real[:, 1:], (0, 1)).to(torch.uint8)
+    from megarl.workers.routing_replay import scored_tokens
+
+    return scored_tokens(batch["attention_mask"]).to(torch.uint8)
 
 
 def _share(result: Batch | None, part: Batch, layout) -> dict[str, torch.Tensor]:

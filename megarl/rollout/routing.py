@@ -72,7 +72,8 @@ class RoutingRecorder:
 
 
 def decode_sglang_routing(encoded: str, layout: RoutingLayout) -> torch.Tensor:
-    """SGLang's base64 int32 routed experts -> [positions, moe_layers, topk] in the compact dtype, ids sorted."""
+    """SGLang's base64 int32 routed experts -> [positions, moe_layers, topk] in the compact dtype, ids sorted (ids
+    out of range stay int32, for the trainer's check to name with their sample: algorithm.routing_invalid)."""
     import numpy as np
 
     flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
@@ -85,8 +86,7 @@ def decode_sglang_routing(encoded: str, layout: RoutingLayout) -> torch.Tensor:
     routed = torch.from_numpy(flat.copy()).view(-1, layout.num_layers, layout.topk)
     routed = routed[:, list(layout.moe_layers)].sort(dim=-1).values
     if routed.numel() and (routed.min() < 0 or routed.max() >= layout.num_experts):
-        bad = int(routed.max()) if routed.max() >= layout.num_experts else int(routed.min())
-        raise ValueError(f"routed_experts holds expert id {bad}, outside [0, {layout.num_experts})")
+        return routed  # int32: the compact dtype would wrap the bad ids; routing_problem names them with the sample
     return routed.to(layout.dtype)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from megarl.data.batch import Batch
 from megarl.workers.role_model import RoleModel
+from megarl.workers.routing_replay import scored_tokens
 from megarl.workers.schedule import (
     gpt_output,
     is_output_rank,
@@ -105,8 +106,7 @@ def _scored_positions(micro_batches, num_rows: int, width: int) -> torch.Tensor:
     mask = torch.zeros(num_rows, width, dtype=torch.uint8)
     for micro_batch in micro_batches:
         if micro_batch.rows:
-            real = micro_batch.tensors["attention_mask"][: len(micro_batch.rows)].bool().cpu()
-            scored = torch.nn.functional.pad(real[:, 1:], (0, 1))
+            scored = scored_tokens(micro_batch.tensors["attention_mask"][: len(micro_batch.rows)].cpu())
             mask[micro_batch.rows, : scored.shape[1]] = scored.to(torch.uint8)
     return mask
 

@@ -122,6 +122,12 @@ def attach_replay_routers(chunks: Sequence[torch.nn.Module], layout: RoutingLayo
     return per_chunk
 
 
+def scored_tokens(attention_mask_bs: torch.Tensor) -> torch.Tensor:
+    """Every real token but each sample's last (whose routing changes no log-prob) [b, s] bool."""
+    real = attention_mask_bs.bool()
+    return torch.nn.functional.pad(real[:, 1:], (0, 1))
+
+
 def megatron_token_order(values_bs: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
     """[b, s, ...] -> [T, ...] in the order this rank's routers see the tokens (s-major; this TP rank's part of the
     sequence under sequence parallelism)."""
@@ -152,8 +158,7 @@ class RoutingReplay:
     def prepare(self, chunk: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         """Give the routers of `chunk` this micro-batch's targets (called right before its forward)."""
         sp = self.sequence_parallel
-        real = tensors["attention_mask"].bool()
-        scored = megatron_token_order(torch.nn.functional.pad(real[:, 1:], (0, 1)), sp)  # all but each last token
+        scored = megatron_token_order(scored_tokens(tensors["attention_mask"]), sp)
         routed = tensors.get("routed_experts")
         mask = megatron_token_order(tensors["routing_mask"].bool(), sp) if routed is not None else None
         for router in self._routers_of[id(chunk)]:
