@@ -134,8 +134,14 @@ def test_parallel_config_rejects_bad_sizes(parallel, key, message):
 
 
 def test_parallel_config_accepts_good_sizes():
-    for parallel in [ParallelConfig(), ParallelConfig(tp=2, pp=2, vpp=2, ep=4, etp=1, cp=2, sequence_parallel=True)]:
+    for parallel in [ParallelConfig(), ParallelConfig(tp=2, pp=2, vpp=2, ep=4, etp=1, sequence_parallel=True)]:
         parallel.check("parallel")
+
+
+def test_context_parallelism_is_refused_at_preflight():
+    # Not implemented: a cp the code would ignore must not pass (issue 19).
+    with pytest.raises(UserError, match=r"actor.model.parallel.cp=2: context parallelism is not implemented"):
+        ParallelConfig(cp=2).check("actor.model.parallel")
 
 
 @pytest.mark.parametrize(

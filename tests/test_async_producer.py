@@ -21,7 +21,7 @@ from megarl.rollout.engine import Completion, GenerateRequest, sample_seed
 from megarl.trainer.async_loop import staleness_metrics
 from megarl.trainer.rollout_buffer import OLDEST_VERSION, RolloutBuffer
 from megarl.trainer.rollout_producer import DynamicSampling, RolloutProducer
-from megarl.trainer.rollout_step import request_seed
+from megarl.trainer.rollout_step import draw_key, request_seed
 
 NUM_PROMPTS = 4
 N = 2
@@ -129,9 +129,9 @@ def test_max_staleness_0_is_the_synchronous_loop():
         assert t.item.batch.meta[OLDEST_VERSION] == [step] * NUM_PROMPTS * N
         assert all(v == [step] * 4 for v in token_versions(t.item.batch))
     assert t.item.metrics["async/interrupted"] == 0
-    # the synchronous loop's seeds: request i of step b has request_seed(run seed, b * 1000, i)
+    # the synchronous loop's seeds: request i of step b has request_seed(run seed, draw_key(b, 0), i)
     for b, requests in enumerate(engines.calls):
-        assert [r.seed for r in requests] == [request_seed(5, b * 1000, i) for i in range(NUM_PROMPTS)]
+        assert [r.seed for r in requests] == [request_seed(5, draw_key(b, 0), i) for i in range(NUM_PROMPTS)]
 
 
 def test_wait_keeps_a_fast_rollout_one_step_ahead_of_a_slow_trainer():
@@ -222,7 +222,7 @@ def test_dynamic_sampling_refills_the_batch_from_more_draws():
     # draw d of batch b has the synchronous loop's seeds for (b, d)
     draws = [(b, d) for b, t in enumerate(taken) for d in range(int(t[1].item.metrics["dapo/draws"]))]
     for (b, d), requests in zip(draws, engines.calls):
-        assert [r.seed for r in requests] == [request_seed(5, b * 1000 + d, i) for i in range(NUM_PROMPTS)]
+        assert [r.seed for r in requests] == [request_seed(5, draw_key(b, d), i) for i in range(NUM_PROMPTS)]
 
 
 def test_a_producer_failure_reaches_the_trainer():

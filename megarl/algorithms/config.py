@@ -194,6 +194,8 @@ class DapoConfig:
         p = _prefix(key)
         if self.max_sampling_rounds < 1:
             raise UserError(f"{p}max_sampling_rounds={self.max_sampling_rounds} must be >= 1")
+        if self.max_sampling_rounds > 2**32:
+            raise UserError(f"{p}max_sampling_rounds={self.max_sampling_rounds} must be <= 2**32 (seeds per draw)")
         if self.overlong_buffer_len < 0:
             raise UserError(f"{p}overlong_buffer_len={self.overlong_buffer_len} must be >= 0 (0 = off)")
         _check_range(f"{p}overlong_penalty", self.overlong_penalty, 0.0)

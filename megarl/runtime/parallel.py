@@ -36,7 +36,8 @@ class ParallelConfig:
     etp: int | None = None
     """Expert tensor-parallel size; null (the default) means the same as `tp`."""
     cp: int = 1
-    """Context-parallel size (GPU only): each sequence is split across this many ranks."""
+    """Context-parallel size: each sequence split across this many ranks. Not implemented yet: only 1 is accepted
+    (long sequences: `micro_batch.max_tokens` and activation recompute instead)."""
     sequence_parallel: bool = False
     """Split activations along the sequence inside tensor-parallel regions (needs tp > 1; Transformer Engine
     layers)."""
@@ -48,6 +49,11 @@ class ParallelConfig:
         for axis in ("tp", "pp", "vpp", "ep", "cp"):
             if getattr(self, axis) < 1:
                 raise UserError(f"{_name(key, axis)}={getattr(self, axis)} must be >= 1")
+        if self.cp > 1:
+            raise UserError(
+                f"{_name(key, 'cp')}={self.cp}: context parallelism is not implemented in megarl yet; use "
+                f"{_name(key, 'cp')}=1 (long sequences: a smaller micro_batch.max_tokens, or model.recompute: true)"
+            )
         if self.etp is not None and self.etp < 1:
             raise UserError(f"{_name(key, 'etp')}={self.etp} must be >= 1 (or unset: the same as tp)")
         if (self.pp_first_stage_layers is not None or self.pp_last_stage_layers is not None) and self.pp == 1:

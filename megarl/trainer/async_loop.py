@@ -87,7 +87,16 @@ def run_async_rl(
                 with steps.phase("update"):
                     train_actor = steps.state.step >= rl.critic_warmup_steps
                     metrics.update(
-                        rl_steps.update(config, roles, batch, actor_loss, critic_loss, temperature, train_actor)
+                        rl_steps.update(
+                            config,
+                            roles,
+                            batch,
+                            actor_loss,
+                            critic_loss,
+                            temperature,
+                            train_actor,
+                            steps.state.global_step,
+                        )
                     )
                 with steps.phase("sync"):
                     metrics.update(producer.sync(sync))  # generation paused only for the sync

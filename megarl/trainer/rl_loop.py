@@ -16,7 +16,7 @@ from megarl.trainer.agent_rollout import Generator, rollout_generator
 from megarl.trainer.engine_sync import WeightSync
 from megarl.trainer.handover import Handover
 from megarl.trainer.roles import Roles
-from megarl.trainer.rollout_step import rollout_metrics
+from megarl.trainer.rollout_step import draw_key, rollout_metrics
 from megarl.trainer.routing import routing_plan
 from megarl.trainer.steps import Steps
 
@@ -49,7 +49,11 @@ def run_rl(
         metrics.update(logprob_metrics | advantage_metrics)
         with steps.phase("update"):
             train_actor = steps.state.step >= rl.critic_warmup_steps
-            metrics.update(rl_steps.update(config, roles, batch, actor_loss, critic_loss, temperature, train_actor))
+            metrics.update(
+                rl_steps.update(
+                    config, roles, batch, actor_loss, critic_loss, temperature, train_actor, steps.state.global_step
+                )
+            )
         with steps.phase("sync"):
             metrics.update(handover.to_rollout(sync))  # colocated: the engines take the GPUs back
         steps.end(metrics, rl.num_steps, samplers, batch, rl.eval_every, num_tokens)
@@ -73,7 +77,7 @@ def _rollouts(
     for draw in range(dapo.max_sampling_rounds if dapo.dynamic_sampling else 1):
         with steps.phase("rollout"):
             handover.to_rollout()  # a no-op unless the roles took the GPUs back (e.g. for a checkpoint)
-            seed_step = steps.state.global_step * 1000 + draw  # every draw of every step gets its own seeds
+            seed_step = draw_key(steps.state.global_step, draw)  # every draw of every step gets its own seeds
             rollout = generate(next(sampler), seed_step)
         with steps.phase("reward"):
             batch, reward_metrics = rl_steps.reward_batch(

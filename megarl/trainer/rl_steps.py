@@ -18,6 +18,7 @@ from megarl.algorithms.dapo import add_to_last_token, apply_overlong_penalty
 from megarl.data.batch import Batch
 from megarl.rewards.runner import RewardRunner
 from megarl.rewards.types import RewardSample
+from megarl.rollout.engine import sample_seed
 from megarl.trainer.routing import ROUTING_FIELDS, RoutingPlan, agreement_metrics, check_agreement, without_routing
 
 
@@ -111,10 +112,13 @@ def add_advantages(batch: Batch, algorithm: AlgorithmConfig) -> tuple[Batch, dic
     return batch.with_tensors(advantages=advantages, returns=returns), metrics
 
 
-def mini_batches(batch: Batch, num: int) -> Iterator[Batch]:
-    """Cut the batch into `num` mini-batches of whole prompt groups, in order."""
+def mini_batches(batch: Batch, num: int, seed: int | None = None) -> Iterator[Batch]:
+    """Cut the batch into `num` mini-batches of whole prompt groups: in order, or with `seed` in a random order of
+    the groups drawn from it (each PPO epoch its own). A mini-batch keeps its rows in batch order."""
     group_ids = batch["group_ids"]
     groups = torch.unique_consecutive(group_ids)
+    if seed is not None and num > 1:
+        groups = groups[torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed))]
     bounds = [len(groups) * i // num for i in range(num + 1)]
     for i in range(num):
         chosen = groups[bounds[i] : bounds[i + 1]]
@@ -183,17 +187,25 @@ def renumber_groups(group_ids: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def update(
-    config, roles, batch: Batch, actor_loss, critic_loss, temperature: float, train_actor: bool = True
+    config,
+    roles,
+    batch: Batch,
+    actor_loss,
+    critic_loss,
+    temperature: float,
+    train_actor: bool = True,
+    step: int = 0,
 ) -> dict[str, float]:
-    """rl.ppo_epochs passes over the batch in rl.mini_batches mini-batches (one optimizer step each); the critic
-    trains every step, the actor when `train_actor` (after rl.critic_warmup_steps)."""
+    """rl.ppo_epochs passes over the batch in rl.mini_batches mini-batches (one optimizer step each), the prompt
+    groups reshuffled into mini-batches each epoch (seeded by run.seed, the global `step` and the epoch); the
+    critic trains every step, the actor when `train_actor` (after rl.critic_warmup_steps)."""
     rl, algorithm = config.rl, config.algorithm
     norm_len = config.rollout.sampling.max_new_tokens
     if algorithm.routing_replay == "off":
         batch = without_routing(batch)  # live routing in the updates
     updates = []
-    for _ in range(rl.ppo_epochs):
-        for mini in mini_batches(batch, rl.mini_batches):
+    for epoch in range(rl.ppo_epochs):
+        for mini in mini_batches(batch, rl.mini_batches, sample_seed(sample_seed(config.run.seed, step), epoch)):
             metrics = {}
             if critic_loss is not None:
                 metrics |= update_critic(mini, roles, critic_loss, algorithm, norm_len)

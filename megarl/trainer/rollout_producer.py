@@ -14,7 +14,7 @@ thread) takes them. What blocks what:
 - nothing else is shared: the producer scores with its own reward runner (RewardRunner is not thread-safe), and the
   prompt sampler is the producer's alone while the loop runs.
 
-Seeds: request i of batch number b carries seed request_seed(run seed, b * 1000 + draw, i), exactly as the
+Seeds: request i of batch number b carries seed request_seed(run seed, draw_key(b, draw), i), exactly as the
 synchronous loop's step b, so max_staleness=0 gives the synchronous numbers. An interrupted sample j of a request
 with seed s continues as a one-sample request with seed sample_seed(s, j): its remaining tokens come from a stream
 of its own (reproducible given the same interruptions, which depend on timing).
@@ -44,6 +44,7 @@ from megarl.trainer.rollout_buffer import OLDEST_VERSION, BufferClosed, RolloutB
 from megarl.trainer.rollout_step import (
     RolloutResult,
     collate_rollout,
+    draw_key,
     generate_on_engines,
     request_seed,
     rollout_metrics,
@@ -266,7 +267,7 @@ class RolloutProducer:
             samples = next(self.sampler)
             data_state = self.sampler.state_dict()
             start, idle_before = time.perf_counter(), self._idle_total_s
-            result, interrupted = self._draw(samples, number * 1000 + draw)
+            result, interrupted = self._draw(samples, draw_key(number, draw))
             batch = result.batch
             scored_at = time.perf_counter()
             batch, reward_metrics = self.score(batch)

@@ -33,7 +33,19 @@ class RolloutResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+MAX_DRAWS = 2**32
+"""Generate rounds of one step that get seeds of their own (DAPO's max_sampling_rounds is bounded by it)."""
+
+
+def draw_key(step: int, draw: int) -> int:
+    """One integer per (step, draw) pair, never the same for two pairs: the `step` argument of `request_seed`."""
+    if not 0 <= draw < MAX_DRAWS:
+        raise ValueError(f"draw {draw} outside [0, {MAX_DRAWS})")
+    return step * MAX_DRAWS + draw
+
+
 def request_seed(run_seed: int, step: int, index: int) -> int:
+    """The seed of request `index` of generate round `step` (a `draw_key`)."""
     return sample_seed(sample_seed(run_seed, step), index)
 
 

@@ -1,0 +1,229 @@
+"""The same GRPO job in megarl and in Hugging Face TRL's GRPOTrainer, side by side on this machine.
+
+    python tools/bench/vs_trl.py [--hidden 64] [--layers 2] [--new-tokens 8] [--prompts 8] [--n 8] [--steps 12]
+        [--warmup 4] [--json results.json] [--only megarl|trl]
+
+One checkpoint is generated for both (Qwen2-shaped, fp32, the quickstart's character tokenizer; `--hidden 64
+--layers 2` is the 594k-parameter model of issue 19, `--hidden 512 --layers 8 --new-tokens 128` one where compute
+dominates). Both train on the same prompts in the same order (examples/quickstart/rl.jsonl, no shuffling), `--n`
+samples per prompt, `--new-tokens` new tokens, temperature 1, AdamW, no KL, one update per batch, the same exact-
+answer reward. megarl runs `megarl train` (a local Ray instance, one actor worker, the embedded HF rollout engine,
+colocated); TRL runs GRPOTrainer (its own generate, the same 2 cores). TRL is optional: without it (`pip install
+trl`) only megarl runs.
+
+Reported: start-up (process start to the end of the first step) and the per-step wall time (median and mean after
+`--warmup` steps): megarl's `timing/step_s` from metrics.jsonl, TRL's from a callback at every optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = ROOT / "examples" / "quickstart" / "rl.jsonl"
+
+
+def build_checkpoint(out: Path, hidden: int, layers: int) -> Path:
+    from megarl.config.job import ModelInit
+    from megarl.trainer.model_init import build_model_folder
+
+    heads = max(hidden // 32, 2)
+    config = dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 2, 1),
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
+    config_path = out / "model_config.json"
+    config_path.write_text(json.dumps(config))
+    return build_model_folder(ModelInit(config=str(config_path), seed=0), out / "model")
+
+
+MEGARL_CONFIG = """\
+run: {{name: vs_trl, dir: {run_dir}, stages: [grpo], seed: 0}}
+model: {{path: {model}}}
+placement: {{train_gpus: 1}}
+cluster: {{cpus_per_worker: {threads}}}
+actor:
+  model: {{dtype: float32}}
+  optim: {{lr: 1.0e-5, clip_grad: 1.0}}
+data: {{train_files: [{prompts}], shuffle: false}}
+rollout:
+  sampling: {{n: {n}, temperature: 1.0, max_new_tokens: {new_tokens}, ignore_eos: true}}
+reward: {{fn: gsm8k, num_workers: 0}}
+algorithm: {{kl: {{coef: 0.0}}}}
+rl: {{num_steps: {steps}, prompts_per_step: {prompts_per_step}, eval_every: 0}}
+checkpoint: {{every: 0}}
+logging: {{console_every: 1}}
+"""
+
+
+def run_megarl(work: Path, model: Path, args) -> dict:
+    run_dir = work / "megarl_run"
+    config = work / "megarl.yaml"
+    config.write_text(
+        MEGARL_CONFIG.format(
+            run_dir=run_dir,
+            model=model,
+            prompts=PROMPTS,
+            n=args.n,
+            new_tokens=args.new_tokens,
+            steps=args.steps,
+            prompts_per_step=args.prompts,
+            threads=os.cpu_count(),
+        )
+    )
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "megarl.cli", "train", "--config", str(config)], check=True, cwd=work)
+    total = time.perf_counter() - start
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "timing/step_s" in r]
+    times = [r["timing/step_s"] for r in steps]
+    phases = {
+        name: statistics.median(r[name] for r in steps[args.warmup :])
+        for name in steps[-1]
+        if name.startswith("timing/") and name != "timing/step_s"
+    }
+    return _summary("megarl", times, total - sum(times[1:]), args.warmup) | {"phases": phases}
+
+
+TRL_SCRIPT = """\
+import json, sys, time
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+model_dir, prompts_file, n, new_tokens, prompts_per_step, steps, out = sys.argv[1:]
+n, new_tokens, prompts_per_step, steps = int(n), int(new_tokens), int(prompts_per_step), int(steps)
+rows = [json.loads(line) for line in open(prompts_file)]
+data = Dataset.from_list([{{"prompt": r["prompt"], "label": r["label"]}} for r in rows[: prompts_per_step * steps]])
+
+def exact_answer(completions, label, **_):
+    return [float(c.strip().split()[0] == l if c.strip() else 0.0) for c, l in zip(completions, label)]
+
+class StepTimes(TrainerCallback):
+    def __init__(self):
+        self.times, self.last = [], None
+    def on_step_begin(self, args, state, control, **kw):
+        self.last = self.last or time.perf_counter()
+    def on_step_end(self, args, state, control, **kw):
+        now = time.perf_counter()
+        self.times.append(now - self.last)
+        self.last = now
+
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+tokenizer.padding_side = "left"
+model = AutoModelForCausalLM.from_pretrained(model_dir)
+config = GRPOConfig(
+    output_dir=out + ".trainer", per_device_train_batch_size=prompts_per_step * n, num_generations=n,
+    max_completion_length=new_tokens, temperature=1.0, learning_rate=1e-5, beta=0.0, max_steps=steps,
+    num_iterations=1, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", shuffle_dataset=False,
+    seed=0, max_grad_norm=1.0, generation_kwargs={{"min_new_tokens": new_tokens}}, bf16=False, dataloader_num_workers=0,
+)
+timer = StepTimes()
+trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=config, train_dataset=data,
+                      processing_class=tokenizer, callbacks=[timer])
+ready = time.perf_counter()
+trainer.train()
+json.dump({{"times": timer.times, "ready": ready}}, open(out, "w"))
+"""
+
+
+def run_trl(work: Path, model: Path, args) -> dict | None:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print("TRL is not installed (pip install trl): only megarl runs")
+        return None
+    script, out = work / "trl_run.py", work / "trl_times.json"
+    script.write_text(TRL_SCRIPT.format())
+    start = time.perf_counter()
+    command = [sys.executable, str(script), str(model), str(PROMPTS), str(args.n), str(args.new_tokens)]
+    subprocess.run([*command, str(args.prompts), str(args.steps), str(out)], check=True, cwd=work)
+    total = time.perf_counter() - start
+    times = json.loads(out.read_text())["times"]
+    return _summary("trl", times, total - sum(times[1:]), args.warmup)
+
+
+def _summary(name: str, times: list[float], startup: float, warmup: int) -> dict:
+    measured = times[warmup:]
+    return dict(
+        name=name,
+        startup_s=round(startup, 2),
+        step_median_s=round(statistics.median(measured), 4),
+        step_mean_s=round(statistics.mean(measured), 4),
+        step_spread=round((max(measured) - min(measured)) / statistics.median(measured), 3),
+        steps_measured=len(measured),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--only", choices=["megarl", "trl"])
+    parser.add_argument("--json", help="write the headline numbers here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
+        work = Path(tmp)
+        model = build_checkpoint(work, args.hidden, args.layers)
+        params = _num_parameters(model)
+        results = {}
+        if args.only != "trl":
+            results["megarl"] = run_megarl(work, model, args)
+        if args.only != "megarl":
+            trl = run_trl(work, model, args)
+            if trl is not None:
+                results["trl"] = trl
+    print(
+        f"\nmodel: {params / 1e3:.0f}k parameters (hidden {args.hidden}, {args.layers} layers); "
+        f"{args.prompts} prompts x {args.n} samples, {args.new_tokens} new tokens\n"
+    )
+    print("| trainer | start-up s | step median s | step mean s | spread (max-min)/median |")
+    print("|---|---|---|---|---|")
+    for r in results.values():
+        print(f"| {r['name']} | {r['startup_s']} | {r['step_median_s']} | {r['step_mean_s']} | {r['step_spread']} |")
+    if "megarl" in results:
+        print(
+            "\nmegarl phases (median s): "
+            + ", ".join(f"{k[7:]} {v:.4f}" for k, v in results["megarl"]["phases"].items())
+        )
+    headline = {"params": params} | {
+        f"{k}_{m}": r[m] for k, r in results.items() for m in ("step_median_s", "startup_s")
+    }
+    if "trl" in results and "megarl" in results:
+        headline["megarl_over_trl"] = round(results["megarl"]["step_median_s"] / results["trl"]["step_median_s"], 3)
+        print(f"\nmegarl / TRL per step: {headline['megarl_over_trl']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(headline | {"results": results}, indent=1))
+
+
+def _num_parameters(model: Path) -> int:
+    from safetensors.torch import load_file
+
+    return sum(t.numel() for t in load_file(model / "model.safetensors").values())
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
