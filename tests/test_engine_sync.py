@@ -138,7 +138,8 @@ BUCKETS = [
 def test_nccl_road_sends_every_bucket_through_one_sender_kept_between_syncs(monkeypatch):
     from megarl.rollout.sglang_weights import SGLangEndpoint
     from megarl.workers import weight_sync
-    from megarl.workers.weight_sync import EngineTarget, SenderState, SyncRoute, send_weights
+    from megarl.workers.sync_route import EngineTarget, SyncRoute
+    from megarl.workers.weight_sync import SenderState, send_weights
 
     sender = RecordingSender()
     connects = []
@@ -158,7 +159,8 @@ def test_nccl_road_sends_every_bucket_through_one_sender_kept_between_syncs(monk
 def test_a_failed_broadcast_closes_the_group_so_the_next_sync_starts_clean(monkeypatch):
     from megarl.rollout.sglang_weights import SGLangEndpoint
     from megarl.workers import weight_sync
-    from megarl.workers.weight_sync import EngineTarget, SenderState, SyncRoute, send_weights
+    from megarl.workers.sync_route import EngineTarget, SyncRoute
+    from megarl.workers.weight_sync import SenderState, send_weights
 
     sender = RecordingSender(fail_at=1)
     monkeypatch.setattr(weight_sync, "export_hf_weights", export_stub(BUCKETS))
@@ -171,7 +173,8 @@ def test_a_failed_broadcast_closes_the_group_so_the_next_sync_starts_clean(monke
 
 
 def test_ipc_road_needs_the_engine_on_this_ranks_gpu():
-    from megarl.workers.weight_sync import EngineTarget, SyncRoute, _roads
+    from megarl.workers.sync_route import EngineTarget, SyncRoute
+    from megarl.workers.weight_sync import _roads
 
     engines = (EngineTarget("w0", ("GPU-a",)), EngineTarget("w1", ()))
     assert _roads(SyncRoute("object_store", engines)) == ["object_store", "object_store"]

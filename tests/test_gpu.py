@@ -124,7 +124,7 @@ def test_cuda_ipc_sync_leaves_the_colocated_engine_with_the_trained_weights(hf_c
     from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings
     from megarl.workers.megatron_worker import MegatronWorker
     from megarl.workers.rollout_worker import RolloutWorker
-    from megarl.workers.weight_sync import SyncRoute
+    from megarl.workers.sync_route import SyncRoute
 
     folder = str(hf_checkpoint("tiny-qwen3"))
     start_ray(ClusterConfig(num_cpus=8, log_to_driver=False))

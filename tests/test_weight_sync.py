@@ -24,7 +24,7 @@ from megarl.runtime.parallel import ParallelConfig
 from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings
 from megarl.workers.megatron_worker import MegatronWorker
 from megarl.workers.rollout_worker import RolloutWorker
-from megarl.workers.weight_sync import SyncRoute
+from megarl.workers.sync_route import SyncRoute
 
 PROMPTS = [[1, 17, 25, 33, 9], [1, 40, 41], [1, 8, 77, 12, 13, 14, 15]]
 

@@ -43,6 +43,17 @@ def _get(mb: Mapping[str, torch.Tensor], name: str, needed_by: str) -> torch.Ten
     return mb[name]
 
 
+def _mismatch(old_BS: torch.Tensor, rollout_BS: torch.Tensor, mask_BS: torch.Tensor) -> Metrics:
+    """Per-token training-inference mismatch (as trainer/rl_steps.mismatch_metrics, without the max)."""
+    delta_BS = torch.where(mask_BS, old_BS.float() - rollout_BS.float(), 0.0)
+    ratio_BS = delta_BS.exp()
+    return {
+        "mismatch/abs_logprob_diff_mean": delta_BS.abs(),
+        "mismatch/ratio_mean": ratio_BS,
+        "mismatch/kl": ratio_BS - 1 - delta_BS,
+    }
+
+
 class PolicyLoss:
     """Actor loss per token: off-policy weight * surrogate + kl_loss_coef * KL(pi || pi_ref) - entropy_coef * entropy,
     0 outside the response mask. The off-policy weight multiplies the surrogate only (not the KL and entropy terms).
@@ -53,9 +64,19 @@ class PolicyLoss:
     """
 
     def __init__(
-        self, config: PolicyLossConfig, off_policy: OffPolicyConfig | None = None, key: str = "algorithm"
+        self,
+        config: PolicyLossConfig,
+        off_policy: OffPolicyConfig | None = None,
+        key: str = "algorithm",
+        old_from_current: bool = False,
     ) -> None:
         self.config = config
+        self.old_from_current = old_from_current
+        """One update per batch with no old-log-prob pass: the old log-probs are the current ones, detached (the
+        ratio is exactly 1 and its gradient the policy gradient). The entropy and the engine mismatch, which that
+        pass measured, are then reported from here (`mismatch/*` metrics: weighted by the loss weights, no max)."""
+        self.reports_entropy = old_from_current
+        """The worker computes the entropy for the metrics even when the loss does not need it."""
         self.off_policy = off_policy if off_policy is not None else OffPolicyConfig()
         self.key = key
         POLICY_LOSSES.check(config.name, f"{key}.policy_loss.name")
@@ -74,7 +95,10 @@ class PolicyLoss:
     ) -> tuple[torch.Tensor, Metrics]:
         config = self.config
         mask_BS = _get(mb, "response_mask", "every policy loss").bool()
-        old_logprobs_BS = _get(mb, "old_logprobs", "every policy loss")
+        if self.old_from_current:
+            old_logprobs_BS = logprobs_BS.detach()
+        else:
+            old_logprobs_BS = _get(mb, "old_logprobs", "every policy loss")
         advantages_BS = _get(mb, "advantages", "every policy loss")
         surrogate = POLICY_LOSSES.get(config.name, f"{self.key}.policy_loss.name")
         loss_BS, metrics = surrogate(logprobs_BS, old_logprobs_BS, advantages_BS, mask_BS, config)
@@ -88,6 +112,8 @@ class PolicyLoss:
                 loss_BS = loss_BS * weights_BS.to(loss_BS.dtype)
             metrics.update(is_metrics)
         metrics["pg_loss"] = loss_BS.detach()
+        if self.old_from_current and "rollout_logprobs" in mb:
+            metrics |= _mismatch(old_logprobs_BS, mb["rollout_logprobs"], mask_BS)
 
         if self.needs_ref:
             ref_logprobs_BS = _get(mb, "ref_logprobs", f"{self.key}.policy_loss.kl_loss_coef > 0")

@@ -47,6 +47,10 @@ class RLConfig:
     """Evaluate before the first RL step (the baseline the run improves on)."""
     num_sample_logs: int = 2
     """Completions written to samples.jsonl / TensorBoard per step."""
+    old_logprobs: Literal["auto", "recompute"] = "auto"
+    """auto: skip the actor's old-log-prob pass where it is provably redundant (one PPO epoch, one mini-batch, no
+    KL reward penalty, a dense model, the sync loop): the update's own forward gives the same old log-probs
+    (detached), and the step logs `actor/old_logprobs_from_update` = 1; recompute: always run the pass."""
     mismatch_probe_every: int = 0
     """After a weight sync, score a fixed probe batch with the engine and the actor and log the mismatch every this
     many steps; 0 = never (the rollout batch's own mismatch is always logged)."""

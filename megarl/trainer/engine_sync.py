@@ -93,7 +93,7 @@ class WeightSync:
         return folder
 
     def _route(self):
-        from megarl.workers.weight_sync import EngineTarget, SyncRoute
+        from megarl.workers.sync_route import EngineTarget, SyncRoute
 
         rollout = self.roles.rollout
         devices = rollout.call("device_uuids") if self.roles.colocated else [[] for _ in rollout.workers]

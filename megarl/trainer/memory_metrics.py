@@ -1,7 +1,9 @@
 """Per-phase memory of every worker, so that a user sees the colocated handover working (and a leak growing).
 
-When a phase of a step ends, every worker group reports its memory (`Worker.memory_stats`, one concurrent call per
-group). A step's metrics then carry, per phase:
+When a phase of a step ends, every worker group is asked for its memory (`Worker.memory_stats`, one call per
+group); the controller does not wait for the answers (a worker answers before its next call, so the numbers are
+those of the phase's end) and collects them when the step's metrics are taken. A step's metrics then carry, per
+phase:
   - `memory/<phase>/<role>_allocated_gb`: the role's peak CUDA allocation during the phase (largest rank);
   - `memory/<phase>/reserved_gb`: CUDA memory reserved by the caching allocators (all roles of a GPU, summed);
   - `memory/<phase>/device_used_gb`: the device's used memory as the driver sees it (largest GPU);
@@ -22,12 +24,15 @@ class MemoryProbe:
         self.groups = list(groups)
         self.enabled = enabled
         self._metrics: dict[str, float] = {}
+        self._pending: list[tuple[str, list]] = []
+        """(phase, [(role, call)]) asked for and not yet collected."""
 
     def sample(self, phase: str) -> None:
-        """Record every group's memory at the end of `phase` (a repeated phase keeps its largest numbers)."""
-        if not self.enabled:
-            return
-        pending = [(group.role, group.async_call("memory_stats")) for group in self.groups]
+        """Ask every group for its memory at the end of `phase` (a repeated phase keeps its largest numbers)."""
+        if self.enabled:
+            self._pending.append((phase, [(group.role, group.async_call("memory_stats")) for group in self.groups]))
+
+    def _collect(self, phase: str, pending: list) -> None:
         reports = [(role, call.result()) for role, call in pending]
         values = {"rss_gb": sum(stats["rss_gb"] for _, ranks in reports for stats in ranks)}
         on_gpu = [(role, ranks) for role, ranks in reports if "peak_allocated_gb" in ranks[0]]
@@ -42,5 +47,8 @@ class MemoryProbe:
 
     def step_metrics(self) -> dict[str, float]:
         """This step's numbers; the next step starts a fresh record."""
+        pending, self._pending = self._pending, []
+        for phase, calls in pending:
+            self._collect(phase, calls)
         metrics, self._metrics = self._metrics, {}
         return metrics

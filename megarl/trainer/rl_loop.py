@@ -33,10 +33,11 @@ def run_rl(
 ) -> None:
     rl, algorithm, sampling = config.rl, config.algorithm, config.rollout.sampling
     temperature = sampling.temperature or 1.0  # greedy rollouts: log-probs of the unscaled distribution
-    actor_loss = PolicyLoss(algorithm.policy_loss, algorithm.off_policy)
+    routing = routing_plan(config)  # MoE models: routing replay and its metrics
+    actor_pass = not rl_steps.old_logprobs_redundant(config, routing)
+    actor_loss = PolicyLoss(algorithm.policy_loss, algorithm.off_policy, old_from_current=not actor_pass)
     critic_loss = ValueLoss(algorithm.value_loss) if roles.critic is not None else None
     samplers = {"prompts": sampler}
-    routing = routing_plan(config)  # MoE models: routing replay and its metrics
     generate = rollout_generator(config, roles.rollout, tokenizer, sampling, routing)
     while steps.state.step < rl.num_steps:
         # generate + reward (+ DAPO refill); colocated: the engines hold the GPUs
@@ -44,7 +45,7 @@ def run_rl(
         with steps.phase("handover"):
             handover.to_training()  # colocated: the engines release the GPUs, the roles onload
         with steps.phase("logprobs"):
-            batch, logprob_metrics = rl_steps.add_logprobs(batch, roles, temperature, routing)
+            batch, logprob_metrics = rl_steps.add_logprobs(batch, roles, temperature, routing, actor_pass)
             batch, advantage_metrics = rl_steps.add_advantages(batch, algorithm)
         metrics.update(logprob_metrics | advantage_metrics)
         with steps.phase("update"):

@@ -69,23 +69,43 @@ def token_rewards(batch: Batch, scores_B: torch.Tensor, algorithm: AlgorithmConf
     return batch.with_tensors(token_rewards=rewards, scores=scores_B)
 
 
+def old_logprobs_redundant(config, routing: RoutingPlan | None) -> bool:
+    """Whether the actor's old-log-prob pass would recompute what the update's own forward gives: one optimizer
+    step per batch on the weights that pass would use, with nothing before the update reading old_logprobs (a KL
+    reward penalty does; MoE models' pass measures and replays routing)."""
+    rl = config.rl
+    return (
+        rl.old_logprobs == "auto"
+        and rl.mode == "sync"
+        and rl.ppo_epochs == 1
+        and rl.mini_batches == 1
+        and config.algorithm.kl.coef == 0
+        and routing is None
+    )
+
+
 def add_logprobs(
-    batch: Batch, roles, temperature: float, routing: RoutingPlan | None = None
+    batch: Batch, roles, temperature: float, routing: RoutingPlan | None = None, actor_pass: bool = True
 ) -> tuple[Batch, dict[str, float]]:
     """old_logprobs (and entropy) from the actor, ref_logprobs from the ref model, old_values from the critic.
-    MoE models (`routing`): the actor's pass compares, replays or records the routing (trainer/routing.py)."""
+    MoE models (`routing`): the actor's pass compares, replays or records the routing (trainer/routing.py).
+    actor_pass=False (see old_logprobs_redundant): no actor pass; the update takes its own log-probs as old."""
     mode = routing.logprob_pass if routing is not None else "off"
-    out = roles.actor.call(
-        "compute_logprobs", batch, temperature, True, mode, dispatch="dp_split", collect="dp_leaders"
-    )
-    tensors = {"old_logprobs": out["logprobs"]}
+    tensors, metrics = {}, {}
     mask = batch["response_mask"].float()
-    metrics = {"actor/entropy": _masked_mean(out["entropy"], mask)}
-    if "routing_agree" in out:
-        metrics |= agreement_metrics(out["routing_agree"], out["routing_observed"])
-        check_agreement(metrics, routing)
-    if mode == "record":  # old_logprob replay: the updates replay what this pass chose
-        tensors |= {name: out[name] for name in ROUTING_FIELDS}
+    if actor_pass:
+        out = roles.actor.call(
+            "compute_logprobs", batch, temperature, True, mode, dispatch="dp_split", collect="dp_leaders"
+        )
+        tensors["old_logprobs"] = out["logprobs"]
+        metrics["actor/entropy"] = _masked_mean(out["entropy"], mask)
+        if "routing_agree" in out:
+            metrics |= agreement_metrics(out["routing_agree"], out["routing_observed"])
+            check_agreement(metrics, routing)
+        if mode == "record":  # old_logprob replay: the updates replay what this pass chose
+            tensors |= {name: out[name] for name in ROUTING_FIELDS}
+    else:
+        metrics["actor/old_logprobs_from_update"] = 1.0
     if roles.ref is not None:
         ref = roles.ref.call("compute_logprobs", batch, temperature, dispatch="dp_split", collect="dp_leaders")
         tensors["ref_logprobs"] = ref["logprobs"]
@@ -141,7 +161,10 @@ def update_actor(
         collect="rank0",
     )
     routing = {"rollout/routing_replayed": metrics.pop("routing_replayed")} if "routing_replayed" in metrics else {}
-    return {f"actor/{name}": value for name, value in metrics.items()} | routing
+    # mismatch/* come from the loss when the update measured them (no old-log-prob pass)
+    return {
+        name if name.startswith("mismatch/") else f"actor/{name}": value for name, value in metrics.items()
+    } | routing
 
 
 def update_critic(batch: Batch, roles, loss_fn, algorithm: AlgorithmConfig, norm_len: int) -> dict[str, float]:

@@ -33,6 +33,7 @@ from megarl.workers.train_step import MetricSums, train_step, weighted
 
 class PolicyLossFn(Protocol):
     needs_entropy: bool
+    reports_entropy: bool
 
     def __call__(
         self, logprobs: torch.Tensor, entropy: torch.Tensor | None, micro_batch: dict[str, torch.Tensor]
@@ -121,7 +122,11 @@ def update_policy(
     def objective(logits: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, MetricSums]:
         logits = prepare_logits(logits, model.vocab, temperature)
         logprobs = token_logprobs(logits, tensors["input_ids"])
-        entropy = token_entropy(logits) if loss_fn.needs_entropy else None
+        entropy = None
+        if loss_fn.needs_entropy:
+            entropy = token_entropy(logits)
+        elif getattr(loss_fn, "reports_entropy", False):  # a metric only: no gradient through it
+            entropy = token_entropy(logits.detach())
         per_token_loss, metrics = loss_fn(logprobs, entropy, tensors)
         return weighted(per_token_loss, metrics, tensors["loss_weights"])
 

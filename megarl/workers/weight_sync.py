@@ -30,45 +30,10 @@ from megarl.bridge.exporter import export_hf_weights
 from megarl.bridge.fp8 import BlockFP8, quantize_bucket
 from megarl.checkpoint.model_io import LoadedModel
 from megarl.rollout.engine import VERIFY_PATTERN, Bucket
-from megarl.rollout.sglang_weights import SGLangEndpoint
 from megarl.workers.bucket_transport import device_uuid, pack_bucket, pack_bucket_ipc
+from megarl.workers.sync_route import SyncRoute
 
 MAX_BUCKETS_IN_FLIGHT = 2
-
-
-@dataclass(frozen=True)
-class EngineTarget:
-    """One rollout engine as a sending rank sees it."""
-
-    worker: object
-    """The engine's Ray worker (apply_packed_bucket / apply_ipc_bucket)."""
-    devices: tuple[str, ...] = ()
-    """UUIDs of the GPUs the engine runs on (empty on CPU)."""
-    sglang: SGLangEndpoint | None = None
-    """An SGLang engine's server, for the roads that reach it directly (ipc, nccl)."""
-
-
-@dataclass(frozen=True)
-class SyncRoute:
-    """How this job's weights travel (decided once by the controller: trainer/engine_sync.py)."""
-
-    transport: str
-    """ipc, nccl or object_store (rollout.weight_sync resolved)."""
-    engines: tuple[EngineTarget, ...]
-    group_name: str = "megarl_weights"
-    timeout_s: float = 600.0
-    disk_dir: str | None = None
-    """The disk transport: the folder (shared by every node) this sync's files go to."""
-    quantization: dict | None = None
-    """The engines' weight format (rollout.weights_format resolved): a block-wise FP8 quantization_config makes the
-    senders quantize each bucket into the FP8 checkpoint's names, shapes and dtypes; None sends the weights as
-    they are."""
-
-    @classmethod
-    def to_workers(cls, workers: list, transport: str = "object_store", devices: list[list[str]] | None = None):
-        """A route to engine workers that are not SGLang servers (the hf engine; tests and benchmarks)."""
-        devices = devices or [[] for _ in workers]
-        return cls(transport, tuple(EngineTarget(w, tuple(d)) for w, d in zip(workers, devices)))
 
 
 @dataclass

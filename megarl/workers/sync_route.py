@@ -1,0 +1,43 @@
+"""Where a weight sync goes: the engines and the transport, decided once by the controller (trainer/engine_sync.py)
+and handed to every sending rank (workers/weight_sync.py). Imports nothing heavy: the controller builds it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megarl.rollout.sglang_weights import SGLangEndpoint
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """One rollout engine as a sending rank sees it."""
+
+    worker: object
+    """The engine's Ray worker (apply_packed_bucket / apply_ipc_bucket)."""
+    devices: tuple[str, ...] = ()
+    """UUIDs of the GPUs the engine runs on (empty on CPU)."""
+    sglang: SGLangEndpoint | None = None
+    """An SGLang engine's server, for the roads that reach it directly (ipc, nccl)."""
+
+
+@dataclass(frozen=True)
+class SyncRoute:
+    """How this job's weights travel (decided once by the controller: trainer/engine_sync.py)."""
+
+    transport: str
+    """ipc, nccl or object_store (rollout.weight_sync resolved)."""
+    engines: tuple[EngineTarget, ...]
+    group_name: str = "megarl_weights"
+    timeout_s: float = 600.0
+    disk_dir: str | None = None
+    """The disk transport: the folder (shared by every node) this sync's files go to."""
+    quantization: dict | None = None
+    """The engines' weight format (rollout.weights_format resolved): a block-wise FP8 quantization_config makes the
+    senders quantize each bucket into the FP8 checkpoint's names, shapes and dtypes; None sends the weights as
+    they are."""
+
+    @classmethod
+    def to_workers(cls, workers: list, transport: str = "object_store", devices: list[list[str]] | None = None):
+        """A route to engine workers that are not SGLang servers (the hf engine; tests and benchmarks)."""
+        devices = devices or [[] for _ in workers]
+        return cls(transport, tuple(EngineTarget(w, tuple(d)) for w, d in zip(workers, devices)))
