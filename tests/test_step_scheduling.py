@@ -51,3 +51,31 @@ def test_one_mini_batch_is_the_whole_batch_in_order():
     batch = _groups_batch(4, 2)
     (only,) = mini_batches(batch, 1, seed=3)
     assert only["row"].tolist() == list(range(8))
+
+
+# ---- balanced data parallelism ----------------------------------------------------------------------------------
+
+
+def test_balanced_partition_on_adversarial_lengths():
+    from megarl.trainer.dp_balance import balanced_partition, dp_order, imbalance, row_cost
+
+    # Sorted lengths: the contiguous split gives one rank every long row.
+    lengths = [4000, 3900, 3800, 3700, 100, 90, 80, 70]
+    costs = [row_cost(n) for n in lengths]
+    parts = balanced_partition(costs, [4, 4])
+    assert sorted(len(p) for p in parts) == [4, 4]
+    assert sorted(i for p in parts for i in p) == list(range(8))
+    assert imbalance(costs, parts) < 1.01
+    assert imbalance(costs, [range(4), range(4, 8)]) > 1.8
+    # One giant row and many small ones: the giant row's rank gets nothing else it does not need.
+    lengths = [8000] + [100] * 7
+    order, inverse, metrics = dp_order(torch.tensor(lengths), 2)
+    assert sorted(order.tolist()) == list(range(8))
+    assert order[inverse].tolist() == list(range(8))  # results go back to the batch's order
+    first_rank = order[:4].tolist()
+    assert (0 in first_rank) and metrics["balance/dp_imbalance"] <= metrics["balance/dp_imbalance_unbalanced"]
+    # Shares keep Batch.split's row counts (7 rows over 3 ranks: 2, 2, 3).
+    parts = balanced_partition([5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 9.0], [2, 2, 3])
+    assert [len(p) for p in parts] == [2, 2, 3]
+    loads = sorted(sum([5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 9.0][i] for i in p) for p in parts)
+    assert loads == [3.0, 6.0, 10.0]  # 9 + 1 | 5 + 1 | 1 + 1 + 1: the largest (10) cannot be avoided

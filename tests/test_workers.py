@@ -205,3 +205,49 @@ def test_moe_update_gives_the_same_weights_with_expert_parallelism(ranks4, hf_ch
     worst = max((sent[name] - ref_sent[name]).abs().max().item() for name in ref_sent)
     assert worst < 1e-5, f"largest weight difference {worst:.2e}"
     assert history[-1]["loss"] == pytest.approx(ref_history[-1]["loss"], abs=1e-6)
+
+
+# ---- packing: the same numbers as padded rows (the tests above run packed, the product default) ----------------
+
+
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [
+        ("tiny-qwen3", (1, 1, 1)),
+        ("tiny-qwen3", (2, 2, 1)),
+        ("tiny-qwen3", (1, 2, 2)),
+        ("tiny-qwen3-moe", MOE_LAYOUTS[2]),
+    ],
+    ids=lambda v: v if isinstance(v, str) else layout_id(v),
+)
+def test_packed_logprobs_and_updates_equal_padded_ones(ranks4, hf_checkpoint, name, layout):
+    folder = str(hf_checkpoint(name))
+    batch = random_batch(8, vocab_size=1000, seed=7)
+    packed = collect(ranks4.run(policy_logprobs, folder, layout, batch, 1.0, 64, True))
+    padded = collect(ranks4.run(policy_logprobs, folder, layout, batch, 1.0, 64, False))
+    where = real_positions(batch)
+    assert (packed["logprobs"] - padded["logprobs"])[where].abs().max() < 1e-5
+    assert (packed["entropy"] - padded["entropy"])[where].abs().max() < 1e-5
+    assert packed["logprobs"][~where].abs().max() == 0  # first tokens and padding: 0, as padded rows give
+    weights = loss_weights("token-mean", batch["response_mask"])
+    history, sent = (ranks4.run(one_update, folder, layout, batch, weights, 64, 2, p) for p in (True, False))
+    sent_packed = {n: t for _, rank_sent in history for n, t in rank_sent}
+    sent_padded = {n: t for _, rank_sent in sent for n, t in rank_sent}
+    worst = max((sent_packed[n] - sent_padded[n]).abs().max().item() for n in sent_padded)
+    assert worst < 1e-5, f"largest weight difference {worst:.2e}"
+    for mine, ref in zip(history[0][0], sent[0][0]):
+        assert mine["loss"] == pytest.approx(ref["loss"], abs=1e-6)
+        assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+
+
+def test_packed_critic_equals_padded(ranks4, hf_checkpoint):
+    folder = str(hf_checkpoint("tiny-qwen3"))
+    batch = random_batch(6, vocab_size=1000, seed=8)
+    packed = collect(ranks4.run(critic_values, folder, (1, 2, 1), batch, 64, True))
+    padded = collect(ranks4.run(critic_values, folder, (1, 2, 1), batch, 64, False))
+    assert (packed - padded)[batch["attention_mask"].bool()].abs().max() < 1e-5
+    weights = loss_weights("token-mean", batch["response_mask"])
+    packed_metrics, packed_head = _first_head(ranks4.run(critic_update, folder, (2, 1, 1), batch, weights, 64, True))
+    metrics, head = _first_head(ranks4.run(critic_update, folder, (2, 1, 1), batch, weights, 64, False))
+    assert packed_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
+    assert (packed_head - head).abs().max() < 1e-5

@@ -55,19 +55,30 @@ def _dp_part(batch: Batch) -> tuple[int, Batch]:
     return dp_rank, batch.split(dp_size)[dp_rank]
 
 
-def policy_logprobs(path: str, layout, batch: Batch, temperature: float = 1.0, max_tokens: int = 64):
-    """(dp rank, Batch of logprobs and entropy) from each output rank; None elsewhere."""
+def policy_logprobs(
+    path: str, layout, batch: Batch, temperature: float = 1.0, max_tokens: int = 64, packing: bool = True
+):
+    """(dp rank, Batch of logprobs and entropy) from each output rank; None elsewhere. Packed micro-batches unless
+    `packing` is false (the product default is packed)."""
     from megarl.workers.policy import compute_logprobs
     from megarl.workers.role_model import build_role_model
 
     _init(layout)
     model = build_role_model(settings_for(path, layout)[0])
     dp_rank, part = _dp_part(batch)
-    out = compute_logprobs(model, part, temperature, max_tokens=max_tokens, with_entropy=True)
+    out = compute_logprobs(model, part, temperature, max_tokens=max_tokens, with_entropy=True, packing=packing)
     return None if out is None else (dp_rank, out)
 
 
-def one_update(path: str, layout, batch: Batch, loss_weights: torch.Tensor, max_tokens: int = 64, steps: int = 1):
+def one_update(
+    path: str,
+    layout,
+    batch: Batch,
+    loss_weights: torch.Tensor,
+    max_tokens: int = 64,
+    steps: int = 1,
+    packing: bool = True,
+):
     """Build a trainable actor, take `steps` PPO steps on the batch; (metrics per step, exported HF weights from
     the sending ranks)."""
     from megarl.algorithms.config import PolicyLossConfig
@@ -80,12 +91,13 @@ def one_update(path: str, layout, batch: Batch, loss_weights: torch.Tensor, max_
     model_settings, optim = settings_for(path, layout)
     model = build_role_model(model_settings, optimizer=optim, total_steps=10)
     _, part = _dp_part(batch.with_tensors(loss_weights=loss_weights))
-    old = compute_logprobs(model, part, max_tokens=max_tokens)
+    old = compute_logprobs(model, part, max_tokens=max_tokens, packing=packing)
     old = _share_from_output_rank(old, part)
     loss_fn = PolicyLoss(PolicyLossConfig())
     history = []
     for _ in range(steps):
-        history.append(update_policy(model, part.with_tensors(old_logprobs=old), loss_fn, max_tokens=max_tokens))
+        mini = part.with_tensors(old_logprobs=old)
+        history.append(update_policy(model, mini, loss_fn, max_tokens=max_tokens, packing=packing))
     sent = [(n, t.clone()) for bucket in export_hf_weights(model.loaded.bridge, torch.float32) for n, t in bucket]
     return history, sent
 
@@ -105,7 +117,7 @@ def _share_from_output_rank(result: Batch | None, part: Batch) -> torch.Tensor:
     return tensor
 
 
-def critic_values(path: str, layout, batch: Batch, max_tokens: int = 64):
+def critic_values(path: str, layout, batch: Batch, max_tokens: int = 64, packing: bool = True):
     """(dp rank, values) from output ranks of a critic built from a causal LM (fresh value head)."""
     from megarl.workers.role_model import build_role_model
     from megarl.workers.value import compute_values
@@ -113,11 +125,13 @@ def critic_values(path: str, layout, batch: Batch, max_tokens: int = 64):
     _init(layout)
     model = build_role_model(settings_for(path, layout)[0], head="value")
     dp_rank, part = _dp_part(batch)
-    out = compute_values(model, part, max_tokens)
+    out = compute_values(model, part, max_tokens, packing)
     return None if out is None else (dp_rank, out["values"])
 
 
-def critic_update(path: str, layout, batch: Batch, loss_weights: torch.Tensor, max_tokens: int = 64):
+def critic_update(
+    path: str, layout, batch: Batch, loss_weights: torch.Tensor, max_tokens: int = 64, packing: bool = True
+):
     """One value-loss step; (metrics, the value head weight and the final norm after the step)."""
     from megarl.algorithms.config import ValueLossConfig
     from megarl.algorithms.losses import ValueLoss
@@ -130,7 +144,7 @@ def critic_update(path: str, layout, batch: Batch, loss_weights: torch.Tensor, m
     _, part = _dp_part(batch.with_tensors(loss_weights=loss_weights))
     returns = part["response_mask"] * 0.5
     part = part.with_tensors(old_values=torch.zeros_like(returns), returns=returns)
-    metrics = update_critic(model, part, ValueLoss(ValueLossConfig(clip=None)), max_tokens)
+    metrics = update_critic(model, part, ValueLoss(ValueLossConfig(clip=None)), max_tokens, packing)
     chunk = model.loaded.chunks[-1]
     head = chunk.output_layer.weight.detach().clone() if chunk.post_process else None
     return metrics, head

@@ -44,11 +44,12 @@ def _get(mb: Mapping[str, torch.Tensor], name: str, needed_by: str) -> torch.Ten
 
 
 def _mismatch(old_BS: torch.Tensor, rollout_BS: torch.Tensor, mask_BS: torch.Tensor) -> Metrics:
-    """Per-token training-inference mismatch (as trainer/rl_steps.mismatch_metrics, without the max)."""
+    """Per-token training-inference mismatch (as trainer/rl_steps.mismatch_metrics; `_max` is reduced by max)."""
     delta_BS = torch.where(mask_BS, old_BS.float() - rollout_BS.float(), 0.0)
     ratio_BS = delta_BS.exp()
     return {
         "mismatch/abs_logprob_diff_mean": delta_BS.abs(),
+        "mismatch/abs_logprob_diff_max": delta_BS.abs(),
         "mismatch/ratio_mean": ratio_BS,
         "mismatch/kl": ratio_BS - 1 - delta_BS,
     }
@@ -74,7 +75,7 @@ class PolicyLoss:
         self.old_from_current = old_from_current
         """One update per batch with no old-log-prob pass: the old log-probs are the current ones, detached (the
         ratio is exactly 1 and its gradient the policy gradient). The entropy and the engine mismatch, which that
-        pass measured, are then reported from here (`mismatch/*` metrics: weighted by the loss weights, no max)."""
+        pass measured, are then reported from here (`mismatch/*` metrics, weighted by the loss weights)."""
         self.reports_entropy = old_from_current
         """The worker computes the entropy for the metrics even when the loss does not need it."""
         self.off_policy = off_policy if off_policy is not None else OffPolicyConfig()

@@ -4,8 +4,13 @@ Megatron's local `DotProductAttention` takes one head size for keys and values, 
 Attention (DeepSeek: keys are nope+rope dims wide, values v_head_dim). This module has the same constructor and
 forward contract as Megatron's core attentions, and any key/value head sizes.
 
+It also runs packed sequences (Megatron's THD layout, megarl/data/packing.py), which Megatron's local attention
+does not: the packed tokens are laid out sample by sample, padded to the longest, and attended causally per sample
+(one batched SDPA call, so the attention cost is that of the samples, never of the whole packed row).
+
 Shapes: query [seq, batch, heads, k_dim], key [seq, batch, kv_heads, k_dim], value [seq, batch, kv_heads, v_dim]
--> output [seq, batch, heads * v_dim] (heads being this TP rank's share).
+-> output [seq, batch, heads * v_dim] (heads being this TP rank's share). Packed: [tokens, heads, dim] in,
+[tokens, heads * v_dim] out.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from megarl.data.packing import packed_attention_index
 
 
 class SDPACoreAttention(MegatronModule):
@@ -47,8 +54,10 @@ class SDPACoreAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPACoreAttention supports neither packed sequences nor attention bias")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention does not support attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         mask_type = attn_mask_type or self.attn_mask_type
         # Megatron masks are True where attention is *not* allowed; SDPA's boolean masks the opposite.
         mask = None if attention_mask is None else ~attention_mask
@@ -66,3 +75,26 @@ class SDPACoreAttention(MegatronModule):
         )
         seq, batch = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
+        if params.qkv_format != "thd":
+            raise NotImplementedError(f"SDPACoreAttention packs only the thd format, not {params.qkv_format!r}")
+        index, samples, longest = packed_attention_index(params.cu_seqlens_q)
+        index = index.to(query.device)
+
+        def padded(t: torch.Tensor) -> torch.Tensor:  # [tokens, h, d] -> [samples, h, longest, d]
+            out = t.new_zeros(samples * longest, *t.shape[1:]).index_copy(0, index, t)
+            return out.view(samples, longest, *t.shape[1:]).transpose(1, 2)
+
+        q, k, v = padded(query), padded(key), padded(value)
+        out = F.scaled_dot_product_attention(  # causal: a sample's padding comes after its tokens, never before
+            q,
+            k,
+            v,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=True,
+            scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+        out = out.transpose(1, 2).reshape(samples * longest, -1)
+        return out.index_select(0, index)

@@ -59,7 +59,7 @@ def _local_layer_spec(spec, config):
     if submodules.mlp.module is not MoELayer:
         keys_map.update(FUSED_INTO_DENSE_FC1)
     attention = submodules.self_attention
-    if config.multi_latent_attention:
-        # Megatron's local core attention needs equal key and value head sizes; MLA's differ.
-        attention = replace(attention, submodules=replace(attention.submodules, core_attention=SDPACoreAttention))
+    # Megatron's local core attention needs equal key and value head sizes (MLA's differ) and cannot run packed
+    # sequences: SDPA does both.
+    attention = replace(attention, submodules=replace(attention.submodules, core_attention=SDPACoreAttention))
     return replace(spec, submodules=replace(submodules, self_attention=attention, sharded_state_dict_keys_map=keys_map))

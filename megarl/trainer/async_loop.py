@@ -81,7 +81,9 @@ def run_async_rl(
                     taken = producer.next_batch(actor_version)  # generated and scored by the producer thread
                 batch, metrics = taken.item.batch, dict(taken.item.metrics)
                 with steps.phase("logprobs"):
-                    batch, logprob_metrics = rl_steps.add_logprobs(batch, roles, temperature, routing)
+                    batch, logprob_metrics = rl_steps.add_logprobs(
+                        batch, roles, temperature, routing, balance=rl.balance_dp
+                    )
                     batch, advantage_metrics = rl_steps.add_advantages(batch, algorithm)
                 metrics.update(logprob_metrics | advantage_metrics | is_weight_metrics(batch, algorithm.off_policy))
                 with steps.phase("update"):

@@ -47,6 +47,9 @@ class RLConfig:
     """Evaluate before the first RL step (the baseline the run improves on)."""
     num_sample_logs: int = 2
     """Completions written to samples.jsonl / TensorBoard per step."""
+    balance_dp: bool = True
+    """Order each batch's rows so every data-parallel rank gets the same estimated cost (tokens plus attention:
+    trainer/dp_balance.py) before log-probs, values and updates; logs balance/dp_imbalance (max / mean)."""
     old_logprobs: Literal["auto", "recompute"] = "auto"
     """auto: skip the actor's old-log-prob pass where it is provably redundant (one PPO epoch, one mini-batch, no
     KL reward penalty, a dense model, the sync loop): the update's own forward gives the same old log-probs

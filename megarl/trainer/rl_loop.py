@@ -45,7 +45,9 @@ def run_rl(
         with steps.phase("handover"):
             handover.to_training()  # colocated: the engines release the GPUs, the roles onload
         with steps.phase("logprobs"):
-            batch, logprob_metrics = rl_steps.add_logprobs(batch, roles, temperature, routing, actor_pass)
+            batch, logprob_metrics = rl_steps.add_logprobs(
+                batch, roles, temperature, routing, actor_pass, rl.balance_dp
+            )
             batch, advantage_metrics = rl_steps.add_advantages(batch, algorithm)
         metrics.update(logprob_metrics | advantage_metrics)
         with steps.phase("update"):

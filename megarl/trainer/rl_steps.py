@@ -19,6 +19,7 @@ from megarl.data.batch import Batch
 from megarl.rewards.runner import RewardRunner
 from megarl.rewards.types import RewardSample
 from megarl.rollout.engine import sample_seed
+from megarl.trainer.dp_balance import balanced_for
 from megarl.trainer.routing import ROUTING_FIELDS, RoutingPlan, agreement_metrics, check_agreement, without_routing
 
 
@@ -84,8 +85,20 @@ def old_logprobs_redundant(config, routing: RoutingPlan | None) -> bool:
     )
 
 
+def _dp_call(role, method: str, batch: Batch, *args, balance: bool = True) -> Batch:
+    """A role's per-row results for `batch` (dp_split -> dp_leaders), the rows balanced over its DP ranks."""
+    ordered, inverse, _ = balanced_for(batch, role, balance)
+    out = role.call(method, ordered, *args, dispatch="dp_split", collect="dp_leaders")
+    return out if inverse is None else out.select(inverse)
+
+
 def add_logprobs(
-    batch: Batch, roles, temperature: float, routing: RoutingPlan | None = None, actor_pass: bool = True
+    batch: Batch,
+    roles,
+    temperature: float,
+    routing: RoutingPlan | None = None,
+    actor_pass: bool = True,
+    balance: bool = True,
 ) -> tuple[Batch, dict[str, float]]:
     """old_logprobs (and entropy) from the actor, ref_logprobs from the ref model, old_values from the critic.
     MoE models (`routing`): the actor's pass compares, replays or records the routing (trainer/routing.py).
@@ -94,9 +107,7 @@ def add_logprobs(
     tensors, metrics = {}, {}
     mask = batch["response_mask"].float()
     if actor_pass:
-        out = roles.actor.call(
-            "compute_logprobs", batch, temperature, True, mode, dispatch="dp_split", collect="dp_leaders"
-        )
+        out = _dp_call(roles.actor, "compute_logprobs", batch, temperature, True, mode, balance=balance)
         tensors["old_logprobs"] = out["logprobs"]
         metrics["actor/entropy"] = _masked_mean(out["entropy"], mask)
         if "routing_agree" in out:
@@ -107,10 +118,10 @@ def add_logprobs(
     else:
         metrics["actor/old_logprobs_from_update"] = 1.0
     if roles.ref is not None:
-        ref = roles.ref.call("compute_logprobs", batch, temperature, dispatch="dp_split", collect="dp_leaders")
+        ref = _dp_call(roles.ref, "compute_logprobs", batch, temperature, balance=balance)
         tensors["ref_logprobs"] = ref["logprobs"]
     if roles.critic is not None:
-        values = roles.critic.call("compute_values", batch, dispatch="dp_split", collect="dp_leaders")
+        values = _dp_call(roles.critic, "compute_values", batch, balance=balance)
         tensors["old_values"] = values["values"]
         metrics["critic/values"] = _masked_mean(values["values"], mask)
     batch = batch.with_tensors(**tensors)
@@ -147,14 +158,22 @@ def mini_batches(batch: Batch, num: int, seed: int | None = None) -> Iterator[Ba
 
 
 def update_actor(
-    batch: Batch, roles, loss_fn, algorithm: AlgorithmConfig, temperature: float, norm_len: int
+    batch: Batch,
+    roles,
+    loss_fn,
+    algorithm: AlgorithmConfig,
+    temperature: float,
+    norm_len: int,
+    balance: bool = True,
 ) -> dict[str, float]:
-    """One optimizer step on a mini-batch; loss weights from the policy loss's aggregation over this mini-batch."""
+    """One optimizer step on a mini-batch; loss weights from the policy loss's aggregation over this mini-batch;
+    rows balanced over the DP ranks (balance/* metrics)."""
     config = algorithm.policy_loss
     weights = loss_weights(config.aggregation, batch["response_mask"], config.norm_len or norm_len)
+    batch, _, balance_metrics = balanced_for(batch.with_tensors(loss_weights=weights), roles.actor, balance)
     metrics = roles.actor.call(
         "update_policy",
-        batch.with_tensors(loss_weights=weights),
+        batch,
         loss_fn,
         temperature,
         dispatch="dp_split",
@@ -162,17 +181,17 @@ def update_actor(
     )
     routing = {"rollout/routing_replayed": metrics.pop("routing_replayed")} if "routing_replayed" in metrics else {}
     # mismatch/* come from the loss when the update measured them (no old-log-prob pass)
-    return {
-        name if name.startswith("mismatch/") else f"actor/{name}": value for name, value in metrics.items()
-    } | routing
+    named = {name if name.startswith("mismatch/") else f"actor/{name}": value for name, value in metrics.items()}
+    return named | routing | balance_metrics
 
 
-def update_critic(batch: Batch, roles, loss_fn, algorithm: AlgorithmConfig, norm_len: int) -> dict[str, float]:
+def update_critic(
+    batch: Batch, roles, loss_fn, algorithm: AlgorithmConfig, norm_len: int, balance: bool = True
+) -> dict[str, float]:
     config = algorithm.value_loss
     weights = loss_weights(config.aggregation, batch["response_mask"], config.norm_len or norm_len)
-    metrics = roles.critic.call(
-        "update_critic", batch.with_tensors(loss_weights=weights), loss_fn, dispatch="dp_split", collect="rank0"
-    )
+    batch, _, _ = balanced_for(batch.with_tensors(loss_weights=weights), roles.critic, balance)
+    metrics = roles.critic.call("update_critic", batch, loss_fn, dispatch="dp_split", collect="rank0")
     return {f"critic/{name}": value for name, value in metrics.items()}
 
 
@@ -231,8 +250,8 @@ def update(
         for mini in mini_batches(batch, rl.mini_batches, sample_seed(sample_seed(config.run.seed, step), epoch)):
             metrics = {}
             if critic_loss is not None:
-                metrics |= update_critic(mini, roles, critic_loss, algorithm, norm_len)
+                metrics |= update_critic(mini, roles, critic_loss, algorithm, norm_len, rl.balance_dp)
             if train_actor:
-                metrics |= update_actor(mini, roles, actor_loss, algorithm, temperature, norm_len)
+                metrics |= update_actor(mini, roles, actor_loss, algorithm, temperature, norm_len, rl.balance_dp)
             updates.append(metrics)
     return average(updates)

@@ -85,7 +85,12 @@ class MicroBatchSettings:
     """How a role's share of a batch is cut into micro-batches."""
 
     max_tokens: int = 8192
-    """Token budget of one micro-batch (rows x longest row); a longer sample gets a micro-batch of its own."""
+    """Token budget of one micro-batch (rows x longest row; packed: the samples' tokens); a longer sample gets a
+    micro-batch of its own."""
+    packing: bool = True
+    """Pack each micro-batch's samples into one row with no padding (Megatron's THD layout; attention stays within
+    each sample): log-probs, values and updates of the actor, ref and critic, and SFT. Not used by reward models
+    (pairs) nor by MoE passes that compare or replay rollout routing; false: padded rows."""
     forward_max_tokens: int = 0
     """Budget for forward-only passes (log-probs, values); 0 = 2 x max_tokens."""
 

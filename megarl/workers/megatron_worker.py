@@ -69,25 +69,27 @@ class MegatronWorker(Worker):
         from megarl.workers.policy import compute_logprobs
 
         budget = self.micro_batch.forward_budget
-        return compute_logprobs(self.model, batch, temperature, budget, with_entropy, routing)
+        packing = self.micro_batch.packing
+        return compute_logprobs(self.model, batch, temperature, budget, with_entropy, routing, packing)
 
     def update_policy(self, batch: Batch, loss_fn, temperature: float = 1.0) -> dict[str, float]:
         from megarl.workers.policy import update_policy
 
         faults.hit(f"{self.role}.update")
-        return update_policy(self.model, batch, loss_fn, temperature, self.micro_batch.max_tokens)
+        settings = self.micro_batch
+        return update_policy(self.model, batch, loss_fn, temperature, settings.max_tokens, settings.packing)
 
     # -- value (critic, reward model) ----------------------------------------------------------------------------
 
     def compute_values(self, batch: Batch) -> Batch | None:
         from megarl.workers.value import compute_values
 
-        return compute_values(self.model, batch, self.micro_batch.forward_budget)
+        return compute_values(self.model, batch, self.micro_batch.forward_budget, self.micro_batch.packing)
 
     def update_critic(self, batch: Batch, loss_fn) -> dict[str, float]:
         from megarl.workers.value import update_critic
 
-        return update_critic(self.model, batch, loss_fn, self.micro_batch.max_tokens)
+        return update_critic(self.model, batch, loss_fn, self.micro_batch.max_tokens, self.micro_batch.packing)
 
     def compute_scores(self, batch: Batch) -> Batch | None:
         from megarl.workers.value import compute_scores

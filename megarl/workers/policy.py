@@ -22,6 +22,7 @@ from megarl.workers.routing_replay import scored_tokens
 from megarl.workers.schedule import (
     gpt_output,
     is_output_rank,
+    packing_multiple,
     run_schedule,
     scatter_rows,
     schedule_shape,
@@ -48,15 +49,18 @@ def compute_logprobs(
     max_tokens: int = 16384,
     with_entropy: bool = False,
     routing: str = "off",
+    packing: bool = False,
 ) -> Batch | None:
     """`logprobs` [B, S] (and `entropy`) aligned with input_ids; a Batch on output ranks, None elsewhere.
 
     MoE models, `routing` (workers/routing_replay.py): `observe` or `replay` the batch's routed_experts; `record`
     the live routing, returned as `routed_experts` and `routing_mask`; `off`: live routing, nothing added. Where
     the batch has routed_experts (the engine's), per-sample, per-layer `routing_agree` / `routing_observed` counts
-    [B, L] say how often the live routing chose them."""
-    micro_batches = split_micro_batches(batch, max_tokens, schedule_shape(model.chunks))
+    [B, L] say how often the live routing chose them. packing: packed micro-batches (not with a routing pass)."""
     replay = model.routing_pass(routing, batch)
+    packed = packing and replay is None
+    shape = schedule_shape(model.chunks)
+    micro_batches = split_micro_batches(batch, max_tokens, shape, 1, packed, packing_multiple(model.chunks))
 
     def step(chunk: torch.nn.Module, tensors: dict[str, torch.Tensor]):
         if replay is not None:
@@ -65,9 +69,10 @@ def compute_logprobs(
 
         def loss_fn(logits: torch.Tensor):
             logits = prepare_logits(logits, model.vocab, temperature)
-            payload: dict[str, Any] = {"logprobs": token_logprobs(logits, tensors["input_ids"])}
+            positions = tensors.get("position_ids")  # packed rows
+            payload: dict[str, Any] = {"logprobs": token_logprobs(logits, tensors["input_ids"], positions)}
             if with_entropy:
-                payload["entropy"] = token_entropy(logits)
+                payload["entropy"] = token_entropy(logits, positions)
             return logits.new_zeros(()), torch.ones((), dtype=torch.int, device=logits.device), payload
 
         return output, loss_fn
@@ -113,25 +118,39 @@ def _scored_positions(micro_batches, num_rows: int, width: int) -> torch.Tensor:
 
 
 def update_policy(
-    model: RoleModel, batch: Batch, loss_fn: PolicyLossFn, temperature: float = 1.0, max_tokens: int = 8192
+    model: RoleModel,
+    batch: Batch,
+    loss_fn: PolicyLossFn,
+    temperature: float = 1.0,
+    max_tokens: int = 8192,
+    packing: bool = False,
 ) -> dict[str, float]:
     """One optimizer step on this rank's share of a mini-batch (`loss_weights` must be in the batch). MoE models
-    replay the batch's routed_experts when it has them (metric `routing_replayed`)."""
+    replay the batch's routed_experts when it has them (metric `routing_replayed`); packing: packed micro-batches
+    (not while replaying)."""
     replay = model.routing_pass("replay", batch)
 
     def objective(logits: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, MetricSums]:
         logits = prepare_logits(logits, model.vocab, temperature)
-        logprobs = token_logprobs(logits, tensors["input_ids"])
+        positions = tensors.get("position_ids")  # packed rows
+        logprobs = token_logprobs(logits, tensors["input_ids"], positions)
         entropy = None
         if loss_fn.needs_entropy:
-            entropy = token_entropy(logits)
+            entropy = token_entropy(logits, positions)
         elif getattr(loss_fn, "reports_entropy", False):  # a metric only: no gradient through it
-            entropy = token_entropy(logits.detach())
+            entropy = token_entropy(logits.detach(), positions)
         per_token_loss, metrics = loss_fn(logprobs, entropy, tensors)
         return weighted(per_token_loss, metrics, tensors["loss_weights"])
 
     try:
-        metrics = train_step(model, batch, objective, max_tokens, before_forward=replay and replay.prepare)
+        metrics = train_step(
+            model,
+            batch,
+            objective,
+            max_tokens,
+            before_forward=replay and replay.prepare,
+            packing=packing and not replay,
+        )
     finally:
         if replay is not None:
             replay.finish()

@@ -1,10 +1,11 @@
 """Run a role's model over one rank's share of a batch, micro-batch by micro-batch, through Megatron's schedules.
 
 The batch is cut into micro-batches by a token budget (dynamic batch size: rows x longest row), each trimmed to its
-own longest row, so padding costs little. Pipeline stages exchange activations of varying shapes
-(`variable_seq_lengths`, set when the model is built with PP > 1). The interleaved schedule needs the number of
-micro-batches to be a multiple of the pipeline size: filler micro-batches (zero loss weights, outputs dropped) make
-it so.
+own longest row, so padding costs little; with packing (megarl/data/packing.py) each micro-batch is one row of its
+samples' real tokens up to the budget, and no padding is computed at all. Pipeline stages exchange activations of
+varying shapes (`variable_seq_lengths`, set when the model is built with PP > 1). The interleaved schedule needs the
+number of micro-batches to be a multiple of the pipeline size: filler micro-batches (zero loss weights, outputs
+dropped) make it so.
 
 A step function gets a model chunk and a micro-batch and returns the chunk's output plus a loss function that
 Megatron calls on the last pipeline stage: `loss_fn(output) -> (loss, num_tokens, payload)`. Models are built with
@@ -25,6 +26,7 @@ import torch
 
 from megarl.data.batch import Batch
 from megarl.data.micro_batches import fixed_shape_groups, token_budget_groups
+from megarl.data.packing import pack_groups, pack_rows, unpack_row
 
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]
 StepFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, LossFn]]
@@ -35,7 +37,9 @@ class MicroBatch:
     rows: list[int]
     """Row indices of the rank's batch, in order; empty for a filler."""
     tensors: dict[str, torch.Tensor]
-    """Every tensor of the batch for those rows; token tensors trimmed to the longest row."""
+    """Every tensor of the batch for those rows; token tensors trimmed to the longest row (packed: one row)."""
+    lengths: list[int] | None = None
+    """Packed: the real tokens of each of `rows`, in the order they are laid in the row; None: not packed."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,12 @@ def schedule_shape(chunks: Sequence[torch.nn.Module]) -> ScheduleShape:
     return ScheduleShape(pp if len(chunks) > 1 else 1, fixed, expert_parallel)
 
 
+def packing_multiple(chunks: Sequence[torch.nn.Module]) -> int:
+    """Tokens of a packed row must be a multiple of this: sequence parallelism splits them over the TP ranks."""
+    config = _unwrap(chunks[0]).config
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return getattr(chunk, "module", chunk)
 
@@ -71,12 +81,20 @@ _ZEROED_IN_FILLERS = ("loss_weights", "response_mask", "pair_weights", "routing_
 
 
 def split_micro_batches(
-    batch: Batch, max_tokens: int, shape: ScheduleShape = ScheduleShape(), rows_per_unit: int = 1
+    batch: Batch,
+    max_tokens: int,
+    shape: ScheduleShape = ScheduleShape(),
+    rows_per_unit: int = 1,
+    packing: bool = False,
+    token_multiple: int = 1,
 ) -> list[MicroBatch]:
     """Token-budget micro-batches (see megarl.data.micro_batches), padded with fillers to the schedule's needs.
 
-    rows_per_unit: consecutive rows that must stay together (2 for a reward model's chosen/rejected pairs)."""
+    rows_per_unit: consecutive rows that must stay together (2 for a reward model's chosen/rejected pairs).
+    packing: one packed row per micro-batch (megarl/data/packing.py), `token_multiple` tokens a multiple."""
     lengths = batch.lengths.tolist()  # one host sync per call, before any compute
+    if packing and rows_per_unit == 1:
+        return _packed_micro_batches(batch, lengths, max_tokens, shape, token_multiple)
     unit = rows_per_unit
     unit_lengths = [max(lengths[start : start + unit]) for start in range(0, len(lengths), unit)]
     budget = max(max_tokens // unit, 1)
@@ -100,6 +118,29 @@ def split_micro_batches(
         if shape.agree_across_ranks:
             units_per_micro_batch = _agree_max(units_per_micro_batch)
         micro_batches = [_pad_rows(mb, units_per_micro_batch * unit) for mb in micro_batches]
+    count = len(micro_batches)
+    if shape.agree_across_ranks:
+        count = _agree_max(count)
+    count = -(-count // shape.multiple_of) * shape.multiple_of
+    micro_batches += [_filler(micro_batches[-1]) for _ in range(count - len(micro_batches))]
+    return micro_batches
+
+
+def _packed_micro_batches(
+    batch: Batch, lengths: list[int], max_tokens: int, shape: ScheduleShape, multiple: int
+) -> list[MicroBatch]:
+    groups = pack_groups(lengths, max_tokens)
+    width = None
+    if shape.fixed_shape:  # every micro-batch one [1, width] row: the longest packed row, agreed where needed
+        width = max(sum(lengths[i] for i in rows) for rows in groups)
+        width = -(-width // multiple) * multiple
+        if shape.agree_across_ranks:
+            width = _agree_max(width)
+    micro_batches = []
+    for rows in groups:
+        part = batch.select(rows).tensors
+        row_lengths = [lengths[i] for i in rows]
+        micro_batches.append(MicroBatch(rows, pack_rows(dict(part), row_lengths, width, multiple), row_lengths))
     count = len(micro_batches)
     if shape.agree_across_ranks:
         count = _agree_max(count)
@@ -138,7 +179,7 @@ def _pad_columns(batch: Batch, width: int) -> Batch:
 def _filler(template: MicroBatch) -> MicroBatch:
     """A micro-batch with the shape of `template` that contributes nothing: zero weights, outputs dropped."""
     tensors = {name: torch.zeros_like(t) if name in _ZEROED_IN_FILLERS else t for name, t in template.tensors.items()}
-    return MicroBatch([], tensors)
+    return MicroBatch([], tensors, template.lengths)
 
 
 def _pad_rows(micro_batch: MicroBatch, num_rows: int) -> MicroBatch:
@@ -181,8 +222,16 @@ def run_schedule(
 
 def gpt_output(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """A GPT model's forward on right-padded token ids: causal attention alone keeps padding out of every real
-    position, so no attention mask is needed. Last stage: logits [b, s, V/tp] or values [b, s, 1]."""
+    position, so no attention mask is needed. Packed micro-batches (`cu_seqlens`) go through Megatron's THD path.
+    Last stage: logits [b, s, V/tp] or values [b, s, 1]."""
     input_ids = tensors["input_ids"]
+    if "cu_seqlens" in tensors:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu_seqlens = tensors["cu_seqlens"].to(input_ids.device, torch.int32)
+        longest = int(tensors["cu_seqlens"].diff().max())
+        params = PackedSeqParams("thd", cu_seqlens, cu_seqlens, max_seqlen_q=longest, max_seqlen_kv=longest)
+        return model(input_ids, tensors["position_ids"], attention_mask=None, packed_seq_params=params)
     position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     return model(input_ids, position_ids, attention_mask=None)
 
@@ -194,7 +243,10 @@ def scatter_rows(
     first = payloads[0][name]
     out = first.new_zeros((num_rows, width, *first.shape[2:]))
     for micro_batch, payload in zip(micro_batches, payloads):
-        if micro_batch.rows:
+        if micro_batch.rows and micro_batch.lengths is not None:
+            for row, values in zip(micro_batch.rows, unpack_row(payload[name], micro_batch.lengths)):
+                out[row, : values.shape[0]] = values
+        elif micro_batch.rows:
             values = payload[name][: len(micro_batch.rows)]  # padding rows (fixed shapes) are dropped
             out[micro_batch.rows, : values.shape[1]] = values
     return out

@@ -33,17 +33,20 @@ def prepare_logits(logits_BSV: torch.Tensor, vocab: VocabInfo, temperature: floa
     return _mask_padded_vocab(logits, vocab)
 
 
-def token_logprobs(logits_BSV: torch.Tensor, ids_BS: torch.Tensor) -> torch.Tensor:
-    """log p(token t | tokens < t) from prepared logits (see `prepare_logits`); differentiable."""
+def token_logprobs(
+    logits_BSV: torch.Tensor, ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None
+) -> torch.Tensor:
+    """log p(token t | tokens < t) from prepared logits (see `prepare_logits`); differentiable. Packed rows
+    (`position_ids_BS`, megarl/data/packing.py): 0 at every sample's first token too."""
     targets_SB = torch.roll(ids_BS, shifts=-1, dims=1).transpose(0, 1).contiguous()  # logits at t predict t + 1
     # Megatron's loss wants [seq, batch, vocab] and works in place on it: always give it a copy (for one row,
     # transpose().contiguous() would be a view, and the caller's logits would change under it).
     logits_SBV = logits_BSV.transpose(0, 1).clone(memory_format=torch.contiguous_format)
     logprobs = -vocab_parallel_cross_entropy(logits_SBV, targets_SB)
-    return align_to_tokens(logprobs.transpose(0, 1))
+    return align_to_tokens(logprobs.transpose(0, 1), position_ids_BS)
 
 
-def token_entropy(logits_BSV: torch.Tensor) -> torch.Tensor:
+def token_entropy(logits_BSV: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
     """Entropy of the next-token distribution, aligned like `token_logprobs`; differentiable.
 
     H = log Z - sum_v p_v z_v, with the max, Z and the sum reduced across TP ranks.
@@ -57,12 +60,16 @@ def token_entropy(logits_BSV: torch.Tensor) -> torch.Tensor:
     # exp * shifted is 0 where exp underflows (masked padding): no 0 * -inf
     weighted = reduce_from_tensor_model_parallel_region((exp * shifted.clamp(min=-1e30)).sum(dim=-1, keepdim=True))
     entropy = sum_exp.log() - weighted / sum_exp
-    return align_to_tokens(entropy.squeeze(-1))
+    return align_to_tokens(entropy.squeeze(-1), position_ids_BS)
 
 
-def align_to_tokens(per_position_BS: torch.Tensor) -> torch.Tensor:
-    """Predictions for token t + 1 made at t -> column t + 1; column 0 gets 0."""
-    return torch.nn.functional.pad(per_position_BS[:, :-1], (1, 0))
+def align_to_tokens(per_position_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """Predictions for token t + 1 made at t -> column t + 1; column 0 gets 0, and so does every packed sample's
+    first token (predicted from the sample before it)."""
+    aligned = torch.nn.functional.pad(per_position_BS[:, :-1], (1, 0))
+    if position_ids_BS is not None:
+        aligned = aligned.masked_fill(position_ids_BS == 0, 0.0)
+    return aligned
 
 
 def _tp_group():

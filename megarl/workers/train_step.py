@@ -3,7 +3,8 @@
 A role supplies `objective(output, micro_batch) -> (loss, metrics)`: `loss` is the micro-batch's contribution to
 the global objective (already weighted by its share of the whole mini-batch, see algorithms/aggregation), and
 `metrics` maps names to (weighted sum, weight) pairs. Gradients sum over micro-batches and data-parallel ranks;
-metrics are summed the same way and divided once at the end (STYLE.md habit 9: reduced in one place).
+metrics are summed the same way and divided once at the end (STYLE.md habit 9: reduced in one place). A metric
+whose name ends in `_max` is a largest value instead: (max, 1) pairs, reduced by max.
 """
 
 from __future__ import annotations
@@ -19,19 +20,27 @@ from megarl.data.batch import Batch
 from megarl.runtime import faults
 from megarl.runtime.device import collective_device
 from megarl.workers.role_model import RoleModel
-from megarl.workers.schedule import gpt_output, run_schedule, schedule_shape, split_micro_batches
+from megarl.workers.schedule import gpt_output, packing_multiple, run_schedule, schedule_shape, split_micro_batches
 
 MetricSums = dict[str, tuple[torch.Tensor, torch.Tensor]]
+MAX_SUFFIX = "_max"
 Objective = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, MetricSums]]
 
 
 def weighted(
     per_token_loss: torch.Tensor, metrics: dict[str, torch.Tensor], loss_weights: torch.Tensor
 ) -> tuple[torch.Tensor, MetricSums]:
-    """Per-token loss and metrics [b, s] -> the micro-batch's weighted loss and (weighted sum, weight) metrics."""
+    """Per-token loss and metrics [b, s] -> the micro-batch's weighted loss and (weighted sum, weight) metrics
+    (`*_max` metrics: the largest value where the weight is not 0)."""
     weights = loss_weights.to(per_token_loss.dtype)
     weight_sum = weights.sum()
-    sums = {name: ((value.detach().to(weights.dtype) * weights).sum(), weight_sum) for name, value in metrics.items()}
+    sums = {}
+    for name, value in metrics.items():
+        value = value.detach().to(weights.dtype)
+        if name.endswith(MAX_SUFFIX):
+            sums[name] = (torch.where(weights != 0, value, -torch.inf).max(), weight_sum.new_ones(()))
+        else:
+            sums[name] = ((value * weights).sum(), weight_sum)
     return (per_token_loss * weights).sum(), sums
 
 
@@ -42,15 +51,18 @@ def train_step(
     max_tokens: int,
     rows_per_unit: int = 1,
     before_forward: Callable[[torch.nn.Module, dict[str, torch.Tensor]], None] | None = None,
+    packing: bool = False,
 ) -> dict[str, float]:
     """Zero grads, forward/backward every micro-batch, sum gradients over DP, clip and step. Returns metrics
     (identical on every rank of the role). rows_per_unit: rows kept in one micro-batch (pairs). before_forward:
-    called with each chunk and micro-batch right before its forward (routing replay sets its targets)."""
+    called with each chunk and micro-batch right before its forward (routing replay sets its targets). packing:
+    packed micro-batches (megarl/data/packing.py)."""
     assert model.optimizer is not None, "train_step needs a trainable role"
     from megatron.core.distributed import finalize_model_grads
 
     model.zero_grad()
-    micro_batches = split_micro_batches(batch, max_tokens, schedule_shape(model.chunks), rows_per_unit)
+    shape, multiple = schedule_shape(model.chunks), packing_multiple(model.chunks)
+    micro_batches = split_micro_batches(batch, max_tokens, shape, rows_per_unit, packing, multiple)
 
     def step(chunk: torch.nn.Module, tensors: dict[str, torch.Tensor]):
         if before_forward is not None:
@@ -86,15 +98,21 @@ def _reduce_metrics(payloads: list[dict[str, Any]]) -> dict[str, float]:
     names = sorted(payloads[0]) if payloads else []
     # Every rank must agree on the names before the collectives: the last stage has them, others do not.
     names = _broadcast_from_last_stage(names)
+    is_max = torch.tensor([name.endswith(MAX_SUFFIX) for name in names], device=collective_device())[:, None]
     sums = torch.zeros(len(names), 2, dtype=torch.double, device=collective_device())
+    sums = torch.where(is_max, -torch.inf, sums)
     for payload in payloads:
-        sums += torch.stack([payload[name] for name in names]).to(sums.device)
+        values = torch.stack([payload[name] for name in names]).to(sums.device)
+        sums = torch.where(is_max, torch.maximum(sums, values), sums + values)
     if payloads:
+        maxima = sums.clone()
         dist.all_reduce(sums, group=ps.get_data_parallel_group())
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        sums = torch.where(is_max, maxima, sums)
     sums = _broadcast_tensor_from_last_stage(sums)
     values = sums.tolist()  # one host sync per optimizer step, for logging
     return {
-        name: total if name == "loss" else (total / weight if weight else 0.0)
+        name: total if name == "loss" or name.endswith(MAX_SUFFIX) else (total / weight if weight else 0.0)
         for name, (total, weight) in zip(names, values)
     }
 

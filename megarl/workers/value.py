@@ -20,6 +20,7 @@ from megarl.workers.role_model import RoleModel
 from megarl.workers.schedule import (
     gpt_output,
     is_output_rank,
+    packing_multiple,
     run_schedule,
     scatter_rows,
     schedule_shape,
@@ -31,9 +32,9 @@ from megarl.workers.train_step import MetricSums, train_step, weighted
 ValueLossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def _values(head_output: torch.Tensor) -> torch.Tensor:
-    """[b, s, 1] head output at each position -> [b, s] aligned with the tokens."""
-    return align_to_tokens(head_output.squeeze(-1).float())
+def _values(head_output: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[b, s, 1] head output at each position -> [b, s] aligned with the tokens (packed rows: `position_ids`)."""
+    return align_to_tokens(head_output.squeeze(-1).float(), position_ids)
 
 
 def _last_token_scores(head_output: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -42,8 +43,11 @@ def _last_token_scores(head_output: torch.Tensor, attention_mask: torch.Tensor) 
 
 
 @torch.no_grad()
-def _forward_rows(model: RoleModel, batch: Batch, max_tokens: int, name: str, fn) -> Batch | None:
-    micro_batches = split_micro_batches(batch, max_tokens, schedule_shape(model.chunks))
+def _forward_rows(
+    model: RoleModel, batch: Batch, max_tokens: int, name: str, fn, packing: bool = False
+) -> Batch | None:
+    shape, multiple = schedule_shape(model.chunks), packing_multiple(model.chunks)
+    micro_batches = split_micro_batches(batch, max_tokens, shape, 1, packing, multiple)
 
     def step(chunk: torch.nn.Module, tensors: dict[str, torch.Tensor]):
         output = gpt_output(chunk, tensors)
@@ -62,9 +66,11 @@ def _forward_rows(model: RoleModel, batch: Batch, max_tokens: int, name: str, fn
     return Batch({name: scatter_rows(micro_batches, payloads, name, num_rows, width)})
 
 
-def compute_values(model: RoleModel, batch: Batch, max_tokens: int = 16384) -> Batch | None:
-    """`values` [B, S] on output ranks (None elsewhere)."""
-    return _forward_rows(model, batch, max_tokens, "values", lambda out, tensors: _values(out))
+def compute_values(model: RoleModel, batch: Batch, max_tokens: int = 16384, packing: bool = False) -> Batch | None:
+    """`values` [B, S] on output ranks (None elsewhere); packing: packed micro-batches."""
+    return _forward_rows(
+        model, batch, max_tokens, "values", lambda out, tensors: _values(out, tensors.get("position_ids")), packing
+    )
 
 
 def compute_scores(model: RoleModel, batch: Batch, max_tokens: int = 16384) -> Batch | None:
@@ -74,15 +80,17 @@ def compute_scores(model: RoleModel, batch: Batch, max_tokens: int = 16384) -> B
     )
 
 
-def update_critic(model: RoleModel, batch: Batch, loss_fn: ValueLossFn, max_tokens: int = 8192) -> dict[str, float]:
+def update_critic(
+    model: RoleModel, batch: Batch, loss_fn: ValueLossFn, max_tokens: int = 8192, packing: bool = False
+) -> dict[str, float]:
     """One optimizer step of the critic; `loss_fn(values_BS, micro_batch) -> (per_token_loss, metrics)` (e.g.
     algorithms' ValueLoss), weighted by `loss_weights`."""
 
     def objective(head_output: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, MetricSums]:
-        per_token_loss, metrics = loss_fn(_values(head_output), tensors)
+        per_token_loss, metrics = loss_fn(_values(head_output, tensors.get("position_ids")), tensors)
         return weighted(per_token_loss, metrics, tensors["loss_weights"])
 
-    return train_step(model, batch, objective, max_tokens)
+    return train_step(model, batch, objective, max_tokens, packing=packing)
 
 
 def update_reward_model(model: RoleModel, batch: Batch, max_tokens: int = 8192) -> dict[str, float]:

@@ -80,18 +80,34 @@ PROMPT_FRACTION = 0.25
 # ---- shared by both sides -----------------------------------------------------------------------------------------
 
 
-def synthetic_batch(num_rows: int, seq_len: int, vocab_size: int, seed: int = 0):
-    """A fixed RL mini-batch: every row full length (B x S real tokens, no padding), random tokens and advantages,
-    old log-probs near a uniform policy, token-mean loss weights."""
+def row_lengths(num_rows: int, seq_len: int, kind: str) -> list[int]:
+    """full: every row seq_len tokens; skewed: every 8th row seq_len, the others between seq_len/16 and seq_len/4
+    (the mean is about a quarter of the longest: RL responses, a few long and many short)."""
+    if kind == "full":
+        return [seq_len] * num_rows
+    import random
+
+    rng = random.Random(0)
+    return [seq_len if i % 8 == 0 else rng.randint(seq_len // 16, seq_len // 4) for i in range(num_rows)]
+
+
+def synthetic_batch(num_rows: int, seq_len: int, vocab_size: int, seed: int = 0, lengths: str = "full"):
+    """A fixed RL mini-batch: rows of `row_lengths` real tokens (right-padded), random tokens and advantages, old
+    log-probs near a uniform policy, token-mean loss weights."""
     import torch
 
     from megarl.algorithms.aggregation import loss_weights
     from megarl.data.batch import Batch
 
     g = torch.Generator().manual_seed(seed)
+    sizes = row_lengths(num_rows, seq_len, lengths)
     input_ids_BS = torch.randint(1, vocab_size, (num_rows, seq_len), generator=g)
+    attention_BS = torch.zeros(num_rows, seq_len, dtype=torch.long)
     response_mask_BS = torch.zeros(num_rows, seq_len)
-    response_mask_BS[:, int(seq_len * PROMPT_FRACTION) :] = 1
+    for i, n in enumerate(sizes):
+        attention_BS[i, :n] = 1
+        response_mask_BS[i, int(n * PROMPT_FRACTION) : n] = 1
+    input_ids_BS = input_ids_BS * attention_BS
     advantages_BS = torch.randn(num_rows, 1, generator=g) * response_mask_BS
     old_logprobs_BS = (torch.full((num_rows, seq_len), -float(torch.tensor(vocab_size).log())) + 0.01) * (
         response_mask_BS
@@ -99,7 +115,7 @@ def synthetic_batch(num_rows: int, seq_len: int, vocab_size: int, seed: int = 0)
     return Batch(
         {
             "input_ids": input_ids_BS,
-            "attention_mask": torch.ones(num_rows, seq_len, dtype=torch.long),
+            "attention_mask": attention_BS,
             "response_mask": response_mask_BS,
             "advantages": advantages_BS,
             "old_logprobs": old_logprobs_BS,
@@ -143,7 +159,17 @@ def timed_phase(fn, warmup: int, reps: int, sync) -> dict:
         return {"error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
 
 
-def megarl_rank(path: str, layout: dict, num_rows: int, seq_len: int, warmup: int, reps: int, max_tokens: int) -> dict:
+def megarl_rank(
+    path: str,
+    layout: dict,
+    num_rows: int,
+    seq_len: int,
+    warmup: int,
+    reps: int,
+    max_tokens: int,
+    packing: bool = False,
+    lengths: str = "full",
+) -> dict:
     """Build the trainable actor at `layout` ({"tp", "ep"}), time compute_logprobs and update_policy on this rank's
     data-parallel share of the batch."""
     import torch.distributed as dist
@@ -160,15 +186,15 @@ def megarl_rank(path: str, layout: dict, num_rows: int, seq_len: int, warmup: in
     settings = ModelSettings(path=path, dtype="float32", parallel=parallel)
     model = build_role_model(settings, optimizer=OptimizerSettings(lr=LR), total_steps=10_000)
     rss_model = peak_rss_gb()
-    batch = synthetic_batch(num_rows, seq_len, model.vocab.size)
+    batch = synthetic_batch(num_rows, seq_len, model.vocab.size, lengths=lengths)
     batch = batch.split(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
     loss_fn = policy_loss()
     logprobs = timed_phase(
-        lambda: compute_logprobs(model, batch, max_tokens=2 * max_tokens), warmup, reps, dist.barrier
+        lambda: compute_logprobs(model, batch, max_tokens=2 * max_tokens, packing=packing), warmup, reps, dist.barrier
     )
     rss_logprobs = peak_rss_gb()
     update = timed_phase(
-        lambda: update_policy(model, batch, loss_fn, max_tokens=max_tokens), warmup, reps, dist.barrier
+        lambda: update_policy(model, batch, loss_fn, max_tokens=max_tokens, packing=packing), warmup, reps, dist.barrier
     )
     return dict(
         logprobs=logprobs, update=update, rss_model=rss_model, rss_logprobs=rss_logprobs, rss_peak=peak_rss_gb()
@@ -253,12 +279,55 @@ LAYOUTS = {"tp1": {"tp": 1, "ep": 1}, "tp2": {"tp": 2, "ep": 1}, "ep2": {"tp": 1
 """ep2 (MoE only): experts split over 2 ranks, the rest data-parallel (each rank takes half the batch)."""
 
 
-def run_megarl(path: Path, layout: dict, args) -> list[dict]:
+def run_megarl(path: Path, layout: dict, args, packing: bool = False) -> list[dict]:
     from megarl.runtime.rank_pool import RankPool
 
     num_ranks = layout["tp"] * layout["ep"]
     with RankPool(num_ranks, timeout_s=3600) as pool:
-        return pool.run(megarl_rank, str(path), layout, args.rows, args.seq, args.warmup, args.reps, args.max_tokens)
+        settings = (args.rows, args.seq, args.warmup, args.reps, args.max_tokens, packing, args.lengths)
+        return pool.run(megarl_rank, str(path), layout, *settings)
+
+
+def bench_packing(name: str, config: dict, work: Path, args) -> dict:
+    """megarl with packing on and off on the same batch, per layout: tokens/s of real tokens."""
+    folder = work / name
+    generate(folder, config)
+    real_tokens = sum(row_lengths(args.rows, args.seq, args.lengths))
+    result = {"model": name, "lengths": args.lengths, "real_tokens": real_tokens, "runs": []}
+    for layout_name in args.layouts:
+        layout = LAYOUTS[layout_name]
+        if layout["ep"] > 1 and "num_experts" not in config:
+            continue
+        for packing in args.packing:
+            label = f"megarl {layout_name} packing {'on' if packing else 'off'}"
+            print(f"[{name}] {label} ...", flush=True)
+            row = summarize(
+                label, str(layout["tp"] * layout["ep"]), run_megarl(folder, layout, args, packing), real_tokens
+            )
+            result["runs"].append({"layout": layout_name, "packing": packing, "row": row})
+    return result
+
+
+def packing_table(result: dict) -> list[str]:
+    rows = [
+        f"\n{result['model']}: {result['real_tokens']} real tokens ({result['lengths']} lengths).",
+        "| run | log-probs s | log-probs tok/s | update s | update tok/s |",
+        "|---|---|---|---|---|",
+    ]
+    for run in result["runs"]:
+        row = run["row"]
+        cells = [
+            f"{row[p]['seconds']:.2f} | {row[p]['tokens_per_s']:.0f}" if "seconds" in row[p] else "failed |"
+            for p in ("logprobs", "update")
+        ]
+        rows.append(f"| {row['label']} | {cells[0]} | {cells[1]} |")
+    return rows
+
+
+def packing_speedup(results: list[dict]) -> float:
+    """Update tokens/s with packing over without, the first layout of the first model."""
+    by_packing = {run["packing"]: run["row"]["update"] for run in results[0]["runs"][:2]}
+    return by_packing[True]["tokens_per_s"] / by_packing[False]["tokens_per_s"]
 
 
 def run_plain(path: Path, threads: int, vocab: int, args) -> dict:
@@ -363,8 +432,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tiny", action="store_true", help="tiny models (smoke test)")
     parser.add_argument("--workdir", default=None, help="where the generated models go (default: a temp dir)")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--packing", default=None, help="on,off: compare megarl with and without packing only")
+    parser.add_argument("--lengths", default="full", choices=["full", "skewed"], help="row lengths of the batch")
     args = parser.parse_args(argv)
     args.layouts = [name.strip() for name in args.layouts.split(",")]
+    if args.packing:
+        return _main_packing(args)
     load_at_start = os.getloadavg()
     results = []
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
@@ -380,6 +453,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("\n".join([header, *(row for result in results for row in table(result))]))
     if args.json:
         Path(args.json).write_text(json.dumps({"load_average": load, "results": results}, indent=1))
+    return results
+
+
+def _main_packing(args) -> list[dict]:
+    args.packing = [value.strip() == "on" for value in args.packing.split(",")]
+    results = []
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        for name in args.models.split(","):
+            config = dict(MODELS[name.strip()])
+            if args.tiny:
+                config.update({k: v for k, v in TINY.items() if k in config})
+            results.append(bench_packing(name.strip(), config, Path(tmp), args))
+    print("\n".join(row for result in results for row in packing_table(result)))
+    headline = {"packing_speedup": packing_speedup(results)} if len(args.packing) == 2 else {}
+    print(headline)
+    if args.json:
+        Path(args.json).write_text(json.dumps(headline | {"results": results}, indent=1))
     return results
 
 
