@@ -101,3 +101,46 @@ def test_travel_groups_keep_fused_tensors_in_one_bucket():
         ["l1.q_a", "l1.kv_a"],
         ["l2.kv_a"],
     ]
+
+
+def sliced_and_whole_loads(folder: str, layout) -> tuple[int, int, int]:
+    """Rank side: load the HF checkpoint with sliced reads and again with whole tensors; every parameter must be
+    bit-identical. Returns (bytes read sliced, bytes read whole, parameters compared)."""
+    import torch
+
+    from megarl.bridge import mappings
+    from megarl.bridge.importer import load_hf_weights
+    from megarl.bridge.safetensors_io import HFCheckpoint
+    from megarl.checkpoint.model_io import load_model
+
+    parallel = as_parallel(layout)
+    from megarl.runtime.distributed import init_model_parallel
+
+    init_model_parallel(parallel)
+    model = load_model(folder, parallel, torch.float32)
+    sliced = {b.param_name: b.param.detach().clone() for b in model.bridge.bindings}
+    checkpoint = HFCheckpoint(folder)
+    load_hf_weights(model.bridge, checkpoint)
+    sliced_bytes = checkpoint.bytes_read
+    whole_reads = HFCheckpoint(folder)
+    original = {cls: cls.hf_slices for cls in (mappings.Mapping, mappings.QKV, mappings.GateUp)}
+    try:
+        for cls in original:
+            cls.hf_slices = lambda self, *args: None
+        load_hf_weights(model.bridge, whole_reads)
+    finally:
+        for cls, method in original.items():
+            cls.hf_slices = method
+    for binding in model.bridge.bindings:
+        assert torch.equal(binding.param, sliced[binding.param_name]), binding.param_name
+    return sliced_bytes, whole_reads.bytes_read, len(sliced)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama-bias", "tiny-qwen3-moe"])
+def test_tensor_parallel_ranks_read_only_their_slices(ranks4, hf_checkpoint, name):
+    layout = P(tp=2, ep=2) if "moe" in name else P(tp=2, pp=2)
+    results = ranks4.run(sliced_and_whole_loads, str(hf_checkpoint(name)), layout)
+    for sliced_bytes, whole_bytes, compared in results:
+        assert compared > 0
+        # everything split across TP but the vocabulary rows is read by halves (norms and embeddings whole)
+        assert sliced_bytes < 0.8 * whole_bytes, (sliced_bytes, whole_bytes)

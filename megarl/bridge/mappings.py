@@ -35,6 +35,17 @@ def pad_vocab_size(vocab_size: int, multiple: int, tp: int) -> int:
     return -(-vocab_size // step) * step
 
 
+Slice = tuple[int, int, int]
+"""(dim, start, stop) of one HF tensor."""
+
+
+def _even_slices(shapes: Sequence[tuple[int, ...]], dim: int, rank: int, size: int) -> list[Slice] | None:
+    """Part `rank` of `size` equal parts of each tensor along `dim` (None when a tensor does not divide evenly)."""
+    if any(len(shape) <= dim or shape[dim] % size for shape in shapes):
+        return None
+    return [(dim, shape[dim] // size * rank, shape[dim] // size * (rank + 1)) for shape in shapes]
+
+
 @dataclass(frozen=True)
 class Mapping:
     """One Megatron parameter <-> HF tensors with the same values (the identity layout)."""
@@ -61,6 +72,13 @@ class Mapping:
             return full
         return full.chunk(tp_size, dim=self.tp_dim)[tp_rank]
 
+    def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
+        """The part of each HF tensor whose `hf_to_mcore` is TP rank `tp_rank`'s shard, as (dim, start, stop), so a
+        rank reads only its slice of the checkpoint; None: read whole tensors and `shard` (the layout needs it)."""
+        if not isinstance(self.tp_dim, int) or tp_size == 1 or len(shapes) != 1:
+            return None
+        return _even_slices(shapes, self.tp_dim, tp_rank, tp_size)
+
     def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         if self.tp_dim is None or len(shards) == 1:
             return shards[0]
@@ -81,6 +99,9 @@ class VocabRows(Mapping):
     """Embedding or output-layer rows: zero-padded to the padded vocabulary on import, stripped on export."""
 
     tp_dim: int | None = 0
+
+    def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
+        return None  # the padding rows belong to the last ranks: whole tensors, then `shard`
 
     def hf_to_mcore(self, hf: Sequence[torch.Tensor], vocab: VocabInfo) -> torch.Tensor:
         (tensor,) = hf
@@ -107,9 +128,15 @@ class QKV(Mapping):
         return [self.num_heads // self.num_kv_heads * self.head_dim, self.head_dim, self.head_dim]
 
     def hf_to_mcore(self, hf: Sequence[torch.Tensor], vocab: VocabInfo) -> torch.Tensor:
-        rest = hf[0].shape[1:]
-        groups = [t.reshape(self.num_kv_heads, rows, *rest) for t, rows in zip(hf, self._group_rows())]
+        rest = hf[0].shape[1:]  # any number of whole query groups: all of them, or one TP rank's
+        groups = [t.reshape(-1, rows, *rest) for t, rows in zip(hf, self._group_rows())]
         return torch.cat(groups, dim=1).reshape(-1, *rest)
+
+    def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
+        # TP rank r holds query groups [r * G / tp, (r + 1) * G / tp): the same rows of q, k and v.
+        if tp_size == 1 or self.num_kv_heads % tp_size:
+            return None
+        return _even_slices(shapes, 0, tp_rank, tp_size)
 
     def mcore_to_hf(self, full: torch.Tensor, vocab: VocabInfo) -> list[torch.Tensor]:
         rest = full.shape[1:]
@@ -133,6 +160,9 @@ class GateUp(Mapping):
     def shard(self, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]])
+
+    def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
+        return None if tp_size == 1 or len(shapes) != 2 else _even_slices(shapes, 0, tp_rank, tp_size)
 
     def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         halves = [shard.chunk(2, dim=0) for shard in shards]

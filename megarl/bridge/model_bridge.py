@@ -153,7 +153,11 @@ class ModelBridge:
 
     def local_shard(self, binding: Binding, full: torch.Tensor) -> torch.Tensor:
         rank, size = self.tp_rank_and_size(binding)
-        local = binding.mapping.shard(full, rank, size)
+        return self.check_local(binding, binding.mapping.shard(full, rank, size))
+
+    def check_local(self, binding: Binding, local: torch.Tensor) -> torch.Tensor:
+        """`local` if it has the parameter's shape; else a UserError naming the HF tensors and both shapes."""
+        rank, size = self.tp_rank_and_size(binding)
         if local.shape != binding.param.shape:
             raise UserError(
                 f"{', '.join(binding.hf_names)} give {binding.param_name} the shape {tuple(local.shape)} on TP rank "

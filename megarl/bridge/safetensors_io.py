@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from megarl.bridge.fp8 import SCALE_SUFFIX, BlockFP8, dequantize
@@ -103,6 +104,8 @@ class HFCheckpoint:
         if missing:
             raise UserError(f"{self.folder / INDEX_FILE} lists tensors missing from their files: {missing[:5]}")
         self.names: list[str] = list(weight_map) if self._has_index else list(self._specs)
+        self.bytes_read = 0
+        """Bytes read from the files so far (what sliced reads save shows here)."""
         self._stored = dict(self._specs)
         self._scale_of: dict[str, str] = {}
         self.quantization = None if raw else BlockFP8.of_folder(self.folder)
@@ -167,16 +170,36 @@ class HFCheckpoint:
             return dequantize(self._read(name), self._read(scale), self.quantization.block, self._specs[name].dtype)
         return self._read(name)
 
-    def _read(self, name: str) -> torch.Tensor:
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """`get(name).narrow(dim, start, stop - start)`, reading only those bytes from the file (rows: one
+        contiguous range; columns of a matrix: a strided read of each row's part). FP8 weights read whole."""
+        if name in self._scale_of or dim > 1:
+            return self.get(name).narrow(dim, start, stop - start).clone()
+        spec = self._stored[name]
+        if dim == 0:
+            row_bytes = spec.nbytes // max(spec.shape[0], 1)
+            return self._read(name, start * row_bytes, (stop - start) * row_bytes).view(stop - start, *spec.shape[1:])
+        rows, item = spec.shape[0], spec.dtype.itemsize
+        columns = int(spec.nbytes // max(rows, 1) // item)
+        path = self.folder / self._file_of[name]
+        table = np.memmap(path, dtype=np.uint8, mode="r", offset=self._offset_of[name], shape=(rows, columns * item))
+        part = torch.from_numpy(np.ascontiguousarray(table[:, start * item : stop * item]))
+        self.bytes_read += part.numel()
+        return part.view(spec.dtype).view(rows, stop - start, *spec.shape[2:])
+
+    def _read(self, name: str, skip: int = 0, length: int | None = None) -> torch.Tensor:
+        """The stored bytes of `name` (or `length` bytes from `skip` on), as the stored dtype and shape (or flat)."""
         if name not in self._file_of:
             raise UserError(f"{self.folder} has no tensor named {name!r}")
         spec = self._stored[name]
-        data = torch.empty(spec.nbytes, dtype=torch.uint8)
+        size = spec.nbytes if length is None else length
+        data = torch.empty(size, dtype=torch.uint8)
         with (self.folder / self._file_of[name]).open("rb") as f:
-            f.seek(self._offset_of[name])
-            if f.readinto(memoryview(data.numpy())) != spec.nbytes:
+            f.seek(self._offset_of[name] + skip)
+            if f.readinto(memoryview(data.numpy())) != size:
                 raise UserError(f"{self.folder / self._file_of[name]} ended inside tensor {name}: is it truncated?")
-        return data.view(spec.dtype).reshape(spec.shape)
+        self.bytes_read += size
+        return data.view(spec.dtype) if length is not None else data.view(spec.dtype).reshape(spec.shape)
 
 
 def shard_file_names(num_shards: int) -> list[str]:
