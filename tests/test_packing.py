@@ -64,3 +64,29 @@ def test_sdpa_attention_on_a_packed_row_equals_each_sample_alone():
         part = slice(start, start + length)
         alone = attention(q[part, None], k[part, None], v[part, None], None)  # [s, b=1, h, d] padded layout
         assert torch.allclose(packed[part], alone[:, 0], atol=1e-6)
+
+
+def test_packed_rope_equals_megatrons_per_sample_loop():
+    import megatron.core.models.common.embeddings.rope_utils as rope_utils
+
+    from megarl.models import packed_rope
+
+    class Group:  # context-parallel size 1
+        def size(self):
+            return 1
+
+        def rank(self):
+            return 0
+
+    packed_rope.install()
+    original, vectorized = packed_rope.megatron_thd, rope_utils._apply_rotary_pos_emb_thd
+    assert vectorized is not original
+    cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    assert packed_rope.token_positions(cu, 9).tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 4]
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(9, 2, 8, generator=g)
+    freqs = torch.randn(5, 1, 1, 8, generator=g)
+    for interleaved in (False, True):
+        ours = vectorized(t, cu, freqs, rotary_interleaved=interleaved, cp_group=Group())
+        theirs = original(t, cu, freqs, rotary_interleaved=interleaved, cp_group=Group())
+        assert torch.equal(ours, theirs)

@@ -217,6 +217,7 @@ def test_moe_update_gives_the_same_weights_with_expert_parallelism(ranks4, hf_ch
         ("tiny-qwen3", (2, 2, 1)),
         ("tiny-qwen3", (1, 2, 2)),
         ("tiny-qwen3-moe", MOE_LAYOUTS[2]),
+        ("tiny-deepseek-v3", ParallelConfig(ep=2)),  # MLA, YaRN, group-limited routing
     ],
     ids=lambda v: v if isinstance(v, str) else layout_id(v),
 )

@@ -82,6 +82,9 @@ def build_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    from megarl.models import packed_rope
+
+    packed_rope.install()  # packed micro-batches' RoPE without a per-sample loop
     spec = arch.to_mcore(hf_config)
     backend = "local" if meta else spec_backend
     overrides = dict(config_overrides or {})

@@ -89,7 +89,8 @@ def run_megarl(work: Path, model: Path, args) -> dict:
         )
     )
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "megarl.cli", "train", "--config", str(config)], check=True, cwd=work)
+    command = [sys.executable, "-m", "megarl.cli", "train", "--config", str(config), *args.set]
+    subprocess.run(command, check=True, cwd=work)
     total = time.perf_counter() - start
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "timing/step_s" in r]
@@ -182,6 +183,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--only", choices=["megarl", "trl"])
+    parser.add_argument(
+        "--set", nargs="*", default=[], help="megarl config overrides, e.g. actor.micro_batch.packing=false"
+    )
     parser.add_argument("--json", help="write the headline numbers here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
