@@ -165,5 +165,7 @@ class GateUp(Mapping):
         return None if tp_size == 1 or len(shapes) != 2 else _even_slices(shapes, 0, tp_rank, tp_size)
 
     def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        if len(shards) == 1:
+            return shards[0]  # already [gate; up]: no copy
         halves = [shard.chunk(2, dim=0) for shard in shards]
         return torch.cat([gate for gate, _ in halves] + [up for _, up in halves])
