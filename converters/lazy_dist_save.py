@@ -147,7 +147,8 @@ def _strategy(sources: dict, params: _ParamCache):
             # One file, in the plan's order: the shards of a parameter are written one after another.
             writer = _StreamingFileWriter(str(checkpoint_dir), single_file_per_rank=True, thread_count=1)
             planner = LazyPlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
-            dcp.save(pyt_state, storage_writer=writer, planner=planner)
+            # The converter is one process: no collectives to exchange plans (pickling thousands of items).
+            dcp.save(pyt_state, storage_writer=writer, planner=planner, no_dist=torch.distributed.get_world_size() == 1)
 
     return LazySaveStrategy("torch_dist", 1)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -89,6 +91,28 @@ def _without_prepended_axes(shard):
     return replace(shard, data=shard.data.view(local_shape), local_shape=local_shape, prepend_axis_num=0)
 
 
+@contextmanager
+def _metadata_read_once(model_dir: Path) -> Iterator[None]:
+    """Megatron's loader opens the checkpoint anew for every load call and unpickles its metadata (every item of
+    the checkpoint) each time: 20% of a MoE conversion read in 64 MB groups. Here every group's load shares one
+    reader, whose metadata is read once."""
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    original = torch_strategy._get_filesystem_reader
+    shared = original(model_dir, cache_metadata=True)
+
+    def reader(checkpoint_dir, cache_metadata: bool = False):
+        return (
+            shared if Path(checkpoint_dir) == model_dir and cache_metadata else original(checkpoint_dir, cache_metadata)
+        )
+
+    torch_strategy._get_filesystem_reader = reader
+    try:
+        yield
+    finally:
+        torch_strategy._get_filesystem_reader = original
+
+
 def _load_group(sharded_state_dict: dict, group: list[Binding], model_dir: Path) -> dict[str, torch.Tensor]:
     """Read the full (TP=1) values of a group of parameters from the distributed checkpoint."""
     from megatron.core import dist_checkpointing
@@ -139,7 +163,7 @@ def convert_mcore_to_hf(
         specs += extra.specs() if extra else []
         sharded_state_dict = meta.chunk.sharded_state_dict()
         exported = [b for b in meta.bindings if b.mapping.export]
-        with staged_folder(dst, overwrite) as tmp:
+        with staged_folder(dst, overwrite) as tmp, _metadata_read_once(src / MODEL_DIR):
             writer = ShardedSafetensorsWriter(tmp, specs, max_shard_bytes)
             with progress_bar(len(exported), f"mcore -> hf {src.name}", show_progress) as advance:
                 for group in _groups(exported, read_group_bytes):

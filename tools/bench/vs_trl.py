@@ -73,9 +73,22 @@ logging: {{console_every: 1}}
 """
 
 
-def run_megarl(work: Path, model: Path, args) -> dict:
-    run_dir = work / "megarl_run"
-    config = work / "megarl.yaml"
+ASYNC_OVERRIDES = [
+    "placement.mode=split",
+    "placement.rollout_gpus=1",
+    "cluster.cpus_per_worker=1",
+    "rollout.hf.num_threads=1",
+    "rl.mode=async",
+    "rl.max_staleness=1",
+    "rl.stale_policy=wait",
+]
+"""megarl's asynchronous GRPO on the same 2 cores: the actor and the hf engine one core each, overlapped."""
+
+
+def run_megarl(work: Path, model: Path, args, overrides: list[str] | None = None, name: str = "megarl") -> dict:
+    overrides = args.set if overrides is None else overrides
+    run_dir = work / f"{name.replace(' ', '_')}_run"
+    config = work / f"{name.replace(' ', '_')}.yaml"
     config.write_text(
         MEGARL_CONFIG.format(
             run_dir=run_dir,
@@ -89,7 +102,7 @@ def run_megarl(work: Path, model: Path, args) -> dict:
         )
     )
     start = time.perf_counter()
-    command = [sys.executable, "-m", "megarl.cli", "train", "--config", str(config), *args.set]
+    command = [sys.executable, "-m", "megarl.cli", "train", "--config", str(config), *overrides]
     subprocess.run(command, check=True, cwd=work)
     total = time.perf_counter() - start
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -100,7 +113,7 @@ def run_megarl(work: Path, model: Path, args) -> dict:
         for name in steps[-1]
         if name.startswith("timing/") and name != "timing/step_s"
     }
-    return _summary("megarl", times, total - sum(times[1:]), args.warmup) | {"phases": phases}
+    return _summary(name, times, total - sum(times[1:]), args.warmup) | {"phases": phases}
 
 
 TRL_SCRIPT = """\
@@ -184,6 +197,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--only", choices=["megarl", "trl"])
     parser.add_argument(
+        "--async-too",
+        action="store_true",
+        help="also run megarl's one-step-off asynchronous GRPO (split placement: actor and engine one core each); "
+        "not the same job as TRL's (each batch comes from the weights one step behind)",
+    )
+    parser.add_argument(
         "--set", nargs="*", default=[], help="megarl config overrides, e.g. actor.micro_batch.packing=false"
     )
     parser.add_argument("--json", help="write the headline numbers here")
@@ -195,6 +214,9 @@ def main() -> None:
         results = {}
         if args.only != "trl":
             results["megarl"] = run_megarl(work, model, args)
+            if args.async_too:
+                overrides = [*ASYNC_OVERRIDES, *args.set]
+                results["megarl_async"] = run_megarl(work, model, args, overrides, "megarl one-step-off async")
         if args.only != "megarl":
             trl = run_trl(work, model, args)
             if trl is not None:
@@ -207,17 +229,21 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for r in results.values():
         print(f"| {r['name']} | {r['startup_s']} | {r['step_median_s']} | {r['step_mean_s']} | {r['step_spread']} |")
-    if "megarl" in results:
-        print(
-            "\nmegarl phases (median s): "
-            + ", ".join(f"{k[7:]} {v:.4f}" for k, v in results["megarl"]["phases"].items())
-        )
+    for key in ("megarl", "megarl_async"):
+        if key not in results:
+            continue
+        phases = results[key]["phases"].items()
+        print(f"\n{results[key]['name']} phases (median s): " + ", ".join(f"{k[7:]} {v:.4f}" for k, v in phases))
     headline = {"params": params} | {
         f"{k}_{m}": r[m] for k, r in results.items() for m in ("step_median_s", "startup_s")
     }
     if "trl" in results and "megarl" in results:
         headline["megarl_over_trl"] = round(results["megarl"]["step_median_s"] / results["trl"]["step_median_s"], 3)
         print(f"\nmegarl / TRL per step: {headline['megarl_over_trl']}")
+    if "trl" in results and "megarl_async" in results:
+        ratio = results["megarl_async"]["step_median_s"] / results["trl"]["step_median_s"]
+        headline["megarl_async_over_trl"] = round(ratio, 3)
+        print(f"megarl one-step-off async / TRL per step: {headline['megarl_async_over_trl']}")
     if args.json:
         Path(args.json).write_text(json.dumps(headline | {"results": results}, indent=1))
 
