@@ -252,3 +252,21 @@ def test_packed_critic_equals_padded(ranks4, hf_checkpoint):
     metrics, head = _first_head(ranks4.run(critic_update, folder, (2, 1, 1), batch, weights, 64, False))
     assert packed_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
     assert (packed_head - head).abs().max() < 1e-5
+
+
+def test_packed_reward_model_equals_padded(ranks4, hf_checkpoint):
+    folder = str(hf_checkpoint("tiny-qwen3"))
+    batch = random_batch(8, vocab_size=1000, seed=9)
+    pair_weights = torch.tensor([0.25, 0.0] * 4)
+    packed, padded = (
+        sorted(
+            (r for r in ranks4.run(reward_model_step, folder, (1, 2, 1), batch, pair_weights, 40, p) if r),
+            key=lambda r: r[0],
+        )
+        for p in (True, False)
+    )
+    for index in (1, 2):  # scores before and after one Bradley-Terry step, pairs kept together
+        mine, ref = torch.cat([r[index] for r in packed]), torch.cat([r[index] for r in padded])
+        assert (mine - ref).abs().max() < 1e-5
+    assert packed[0][3]["loss"] == pytest.approx(padded[0][3]["loss"], abs=1e-6)
+    assert packed[0][3]["accuracy"] == padded[0][3]["accuracy"]

@@ -150,7 +150,9 @@ def critic_update(
     return metrics, head
 
 
-def reward_model_step(path: str, layout, batch: Batch, pair_weights: torch.Tensor, max_tokens: int = 64):
+def reward_model_step(
+    path: str, layout, batch: Batch, pair_weights: torch.Tensor, max_tokens: int = 64, packing: bool = True
+):
     """Scores before, one Bradley-Terry step, scores after: (dp rank, before, after, metrics) on output ranks."""
     from megarl.workers.role_model import build_role_model
     from megarl.workers.value import compute_scores, update_reward_model
@@ -159,9 +161,9 @@ def reward_model_step(path: str, layout, batch: Batch, pair_weights: torch.Tenso
     model_settings, optim = settings_for(path, layout, lr=1e-3)
     model = build_role_model(model_settings, head="value", optimizer=optim, total_steps=10)
     dp_rank, part = _dp_part(batch.with_tensors(pair_weights=pair_weights))
-    before = compute_scores(model, part, max_tokens)
-    metrics = update_reward_model(model, part, max_tokens)
-    after = compute_scores(model, part, max_tokens)
+    before = compute_scores(model, part, max_tokens, packing)
+    metrics = update_reward_model(model, part, max_tokens, packing)
+    after = compute_scores(model, part, max_tokens, packing)
     return None if before is None else (dp_rank, before["scores"], after["scores"], metrics)
 
 

@@ -2,7 +2,8 @@
 
 A packed micro-batch is Megatron's THD layout: token tensors [1, T] (T = the samples' real tokens, plus padding
 at the end only where a fixed shape asks for it), `cu_seqlens` [n + 1] int32 (where each sample starts; padding is
-a sample of its own) and `position_ids` [1, T] counting from 0 in every sample. Attention never crosses a sample
+a sample of its own), `position_ids` [1, T] counting from 0 in every sample and `sample_ends` [n] (each sample's
+last token: a reward model's score). Attention never crosses a sample
 boundary (Transformer Engine's THD kernels; on CPU megarl's SDPA core attention), RoPE restarts at each sample, so
 every sample's numbers are those it would have alone in a padded batch.
 
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-PACKED_KEYS = ("cu_seqlens", "position_ids")
+PACKED_KEYS = ("cu_seqlens", "position_ids", "sample_ends")
 """Tensors a packed micro-batch carries besides the batch's own."""
 
 
@@ -60,6 +61,7 @@ def pack_rows(
     if target > total:
         bounds.append(target)  # the padding: a sample of its own, attended by nobody else
     packed["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
+    packed["sample_ends"] = torch.tensor(bounds[1 : len(lengths) + 1]) - 1  # one per sample: its last token
     starts = torch.tensor(bounds[:-1]).repeat_interleave(torch.tensor(bounds).diff())
     packed["position_ids"] = (torch.arange(target) - starts).unsqueeze(0)
     return packed

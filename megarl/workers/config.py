@@ -89,8 +89,9 @@ class MicroBatchSettings:
     micro-batch of its own."""
     packing: bool = True
     """Pack each micro-batch's samples into one row with no padding (Megatron's THD layout; attention stays within
-    each sample): log-probs, values and updates of the actor, ref and critic, and SFT. Not used by reward models
-    (pairs) nor by MoE passes that compare or replay rollout routing; false: padded rows."""
+    each sample): log-probs, values, scores and updates of every role (a reward model's pairs stay in one
+    micro-batch), and SFT. MoE passes that compare or replay rollout routing run padded rows (their per-sample
+    routing records are row-aligned); false: padded rows everywhere."""
     forward_max_tokens: int = 0
     """Budget for forward-only passes (log-probs, values); 0 = 2 x max_tokens."""
 

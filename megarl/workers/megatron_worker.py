@@ -94,12 +94,12 @@ class MegatronWorker(Worker):
     def compute_scores(self, batch: Batch) -> Batch | None:
         from megarl.workers.value import compute_scores
 
-        return compute_scores(self.model, batch, self.micro_batch.forward_budget)
+        return compute_scores(self.model, batch, self.micro_batch.forward_budget, self.micro_batch.packing)
 
     def update_reward_model(self, batch: Batch) -> dict[str, float]:
         from megarl.workers.value import update_reward_model
 
-        return update_reward_model(self.model, batch, self.micro_batch.max_tokens)
+        return update_reward_model(self.model, batch, self.micro_batch.max_tokens, self.micro_batch.packing)
 
     def greedy_decode(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]:
         """Reference greedy decoding with the Megatron model (checks of the rollout engine)."""

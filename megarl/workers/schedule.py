@@ -93,8 +93,8 @@ def split_micro_batches(
     rows_per_unit: consecutive rows that must stay together (2 for a reward model's chosen/rejected pairs).
     packing: one packed row per micro-batch (megarl/data/packing.py), `token_multiple` tokens a multiple."""
     lengths = batch.lengths.tolist()  # one host sync per call, before any compute
-    if packing and rows_per_unit == 1:
-        return _packed_micro_batches(batch, lengths, max_tokens, shape, token_multiple)
+    if packing:
+        return _packed_micro_batches(batch, lengths, max_tokens, shape, token_multiple, rows_per_unit)
     unit = rows_per_unit
     unit_lengths = [max(lengths[start : start + unit]) for start in range(0, len(lengths), unit)]
     budget = max(max_tokens // unit, 1)
@@ -127,9 +127,14 @@ def split_micro_batches(
 
 
 def _packed_micro_batches(
-    batch: Batch, lengths: list[int], max_tokens: int, shape: ScheduleShape, multiple: int
+    batch: Batch, lengths: list[int], max_tokens: int, shape: ScheduleShape, multiple: int, unit: int = 1
 ) -> list[MicroBatch]:
-    groups = pack_groups(lengths, max_tokens)
+    # Units of `unit` consecutive rows (a reward model's pairs) are packed whole.
+    unit_lengths = [sum(lengths[start : start + unit]) for start in range(0, len(lengths), unit)]
+    groups = [
+        [u * unit + k for u in units for k in range(unit) if u * unit + k < len(lengths)]
+        for units in pack_groups(unit_lengths, max_tokens)
+    ]
     width = None
     if shape.fixed_shape:  # every micro-batch one [1, width] row: the longest packed row, agreed where needed
         width = max(sum(lengths[i] for i in rows) for rows in groups)

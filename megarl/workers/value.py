@@ -37,8 +37,11 @@ def _values(head_output: torch.Tensor, position_ids: torch.Tensor | None = None)
     return align_to_tokens(head_output.squeeze(-1).float(), position_ids)
 
 
-def _last_token_scores(head_output: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    last = attention_mask.sum(dim=1).long().clamp(min=1) - 1
+def _last_token_scores(head_output: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The head at each sample's last real token [samples]; packed rows: at each sample's end in `cu_seqlens`."""
+    if "sample_ends" in tensors:
+        return head_output.squeeze(-1).float()[0, tensors["sample_ends"].to(head_output.device)]
+    last = tensors["attention_mask"].sum(dim=1).long().clamp(min=1) - 1
     return head_output.squeeze(-1).float().gather(1, last[:, None]).squeeze(1)
 
 
@@ -73,10 +76,10 @@ def compute_values(model: RoleModel, batch: Batch, max_tokens: int = 16384, pack
     )
 
 
-def compute_scores(model: RoleModel, batch: Batch, max_tokens: int = 16384) -> Batch | None:
-    """Reward-model `scores` [B]: the head at each sequence's last real token."""
+def compute_scores(model: RoleModel, batch: Batch, max_tokens: int = 16384, packing: bool = False) -> Batch | None:
+    """Reward-model `scores` [B]: the head at each sequence's last real token; packing: packed micro-batches."""
     return _forward_rows(
-        model, batch, max_tokens, "scores", lambda out, tensors: _last_token_scores(out, tensors["attention_mask"])
+        model, batch, max_tokens, "scores", lambda out, tensors: _last_token_scores(out, tensors), packing
     )
 
 
@@ -93,12 +96,14 @@ def update_critic(
     return train_step(model, batch, objective, max_tokens, packing=packing)
 
 
-def update_reward_model(model: RoleModel, batch: Batch, max_tokens: int = 8192) -> dict[str, float]:
+def update_reward_model(
+    model: RoleModel, batch: Batch, max_tokens: int = 8192, packing: bool = False
+) -> dict[str, float]:
     """One Bradley-Terry step: loss = -log sigmoid(r_chosen - r_rejected), averaged over the mini-batch's pairs
     through `pair_weights` [B] (1 / total pairs on chosen rows, 0 on rejected rows)."""
 
     def objective(head_output: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, MetricSums]:
-        scores = _last_token_scores(head_output, tensors["attention_mask"])
+        scores = _last_token_scores(head_output, tensors)
         chosen, rejected = scores[0::2], scores[1::2]
         weights = tensors["pair_weights"][0::2].to(scores.dtype)
         margin = chosen - rejected
@@ -112,4 +117,4 @@ def update_reward_model(model: RoleModel, batch: Batch, max_tokens: int = 8192) 
         }
         return loss, {name: (value, weight_sum) for name, value in sums.items()}
 
-    return train_step(model, batch, objective, max_tokens, rows_per_unit=2)
+    return train_step(model, batch, objective, max_tokens, rows_per_unit=2, packing=packing)
