@@ -17,10 +17,6 @@ from collections.abc import Sequence
 
 import torch
 
-PACKED_KEYS = ("cu_seqlens", "position_ids", "sample_ends")
-"""Tensors a packed micro-batch carries besides the batch's own."""
-
-
 def pack_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Consecutive sample indices grouped so each group's total tokens stay within `max_tokens` (a longer sample
     gets a group of its own). Order is kept: the sums over a step are reproducible."""
