@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+
 def pack_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Consecutive sample indices grouped so each group's total tokens stay within `max_tokens` (a longer sample
     gets a group of its own). Order is kept: the sums over a step are reproducible."""
