@@ -79,3 +79,12 @@ def test_balanced_partition_on_adversarial_lengths():
     assert [len(p) for p in parts] == [2, 2, 3]
     loads = sorted(sum([5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 9.0][i] for i in p) for p in parts)
     assert loads == [3.0, 6.0, 10.0]  # 9 + 1 | 5 + 1 | 1 + 1 + 1: the largest (10) cannot be avoided
+
+
+def test_step_metrics_reduce_sums_and_maxima():
+    from megarl.workers.train_step import _final
+
+    assert _final("actor/pg_loss", 3.0, 4.0) == 0.75  # weighted sum / weight
+    assert _final("loss", 3.0, 4.0) == 3.0  # the loss is already the mini-batch's objective
+    assert _final("mismatch/abs_logprob_diff_max", 0.25, 1.0) == 0.25
+    assert _final("mismatch/abs_logprob_diff_max", float("-inf"), 1.0) == 0.0  # no weighted token: 0, not -inf

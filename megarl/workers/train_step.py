@@ -9,6 +9,7 @@ whose name ends in `_max` is a largest value instead: (max, 1) pairs, reduced by
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -111,10 +112,13 @@ def _reduce_metrics(payloads: list[dict[str, Any]]) -> dict[str, float]:
         sums = torch.where(is_max, maxima, sums)
     sums = _broadcast_tensor_from_last_stage(sums)
     values = sums.tolist()  # one host sync per optimizer step, for logging
-    return {
-        name: total if name == "loss" or name.endswith(MAX_SUFFIX) else (total / weight if weight else 0.0)
-        for name, (total, weight) in zip(names, values)
-    }
+    return {name: _final(name, total, weight) for name, (total, weight) in zip(names, values)}
+
+
+def _final(name: str, total: float, weight: float) -> float:
+    if name.endswith(MAX_SUFFIX):
+        return total if math.isfinite(total) else 0.0  # no weighted token anywhere: nothing to report
+    return total if name == "loss" else (total / weight if weight else 0.0)
 
 
 def _last_stage_global_rank() -> int:
