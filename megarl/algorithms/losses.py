@@ -168,6 +168,7 @@ class NLLLoss:
     Metrics: nll (per token)."""
 
     needs_entropy = False
+    reports_entropy = False
 
     def __call__(
         self, logprobs_BS: torch.Tensor, entropy_BS: torch.Tensor | None, mb: Mapping[str, torch.Tensor]

@@ -137,7 +137,7 @@ def update_policy(
         entropy = None
         if loss_fn.needs_entropy:
             entropy = token_entropy(logits, positions)
-        elif getattr(loss_fn, "reports_entropy", False):  # a metric only: no gradient through it
+        elif loss_fn.reports_entropy:  # a metric only: no gradient through it
             entropy = token_entropy(logits.detach(), positions)
         per_token_loss, metrics = loss_fn(logprobs, entropy, tensors)
         return weighted(per_token_loss, metrics, tensors["loss_weights"])
