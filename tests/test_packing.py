@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.data.packing import pack_groups, pack_rows, packed_attention_index, unpack_row
+from megarl.data.packing import pack_groups, pack_rows, packed_attention_index, positions_in_samples, unpack_row
 
 
 def test_pack_groups_fill_the_budget_in_order():
@@ -82,7 +82,7 @@ def test_packed_rope_equals_megatrons_per_sample_loop():
     original, vectorized = packed_rope.megatron_thd, rope_utils._apply_rotary_pos_emb_thd
     assert vectorized is not original
     cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
-    assert packed_rope.token_positions(cu, 9).tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 4]
+    assert positions_in_samples(cu, 9).tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 4]
     g = torch.Generator().manual_seed(0)
     t = torch.randn(9, 2, 8, generator=g)
     freqs = torch.randn(5, 1, 1, 8, generator=g)

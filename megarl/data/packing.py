@@ -59,9 +59,17 @@ def pack_rows(
         bounds.append(target)  # the padding: a sample of its own, attended by nobody else
     packed["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
     packed["sample_ends"] = torch.tensor(bounds[1 : len(lengths) + 1]) - 1  # one per sample: its last token
-    starts = torch.tensor(bounds[:-1]).repeat_interleave(torch.tensor(bounds).diff())
-    packed["position_ids"] = (torch.arange(target) - starts).unsqueeze(0)
+    packed["position_ids"] = positions_in_samples(packed["cu_seqlens"], target).unsqueeze(0)
     return packed
+
+
+def positions_in_samples(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Each token's position within its sample [num_tokens] (on cu_seqlens' device, no host sync)."""
+    starts = cu_seqlens[:-1].long()
+    lengths = cu_seqlens.diff().long()
+    return torch.arange(num_tokens, device=cu_seqlens.device) - starts.repeat_interleave(
+        lengths, output_size=num_tokens
+    )
 
 
 def unpack_row(values: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
@@ -76,5 +84,4 @@ def packed_attention_index(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, int,
     lengths = bounds.diff()
     longest = int(lengths.max())
     sample = torch.arange(len(lengths)).repeat_interleave(lengths)
-    position = torch.arange(int(bounds[-1])) - bounds[:-1].repeat_interleave(lengths)
-    return sample * longest + position, len(lengths), longest
+    return sample * longest + positions_in_samples(bounds, int(bounds[-1])), len(lengths), longest

@@ -11,7 +11,7 @@ for context-parallel size 1; other cases go to Megatron's own function.
 
 from __future__ import annotations
 
-import torch
+from megarl.data.packing import positions_in_samples
 
 megatron_thd = None
 """Megatron's own function, once `install` replaced it."""
@@ -32,7 +32,7 @@ def install() -> None:
         whole_row = freqs.dim() >= 1 and freqs.size(0) == t.size(0)  # Megatron's offset mode: its own code
         if cp_group is None or cp_group.size() != 1 or whole_row:
             return original(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
-        packed = freqs[token_positions(cu_seqlens, t.size(0))]
+        packed = freqs[positions_in_samples(cu_seqlens, t.size(0))]
         return rope_utils._apply_rotary_pos_emb_bshd(
             t.unsqueeze(1),
             packed,
@@ -42,12 +42,3 @@ def install() -> None:
         ).squeeze(1)
 
     rope_utils._apply_rotary_pos_emb_thd = apply_thd
-
-
-def token_positions(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Each token's position within its sample, from the samples' start offsets (on cu_seqlens' device)."""
-    starts = cu_seqlens[:-1].long()
-    lengths = cu_seqlens.diff().long()
-    return torch.arange(num_tokens, device=cu_seqlens.device) - starts.repeat_interleave(
-        lengths, output_size=num_tokens
-    )

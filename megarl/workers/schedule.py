@@ -118,12 +118,7 @@ def split_micro_batches(
         if shape.agree_across_ranks:
             units_per_micro_batch = _agree_max(units_per_micro_batch)
         micro_batches = [_pad_rows(mb, units_per_micro_batch * unit) for mb in micro_batches]
-    count = len(micro_batches)
-    if shape.agree_across_ranks:
-        count = _agree_max(count)
-    count = -(-count // shape.multiple_of) * shape.multiple_of
-    micro_batches += [_filler(micro_batches[-1]) for _ in range(count - len(micro_batches))]
-    return micro_batches
+    return _with_fillers(micro_batches, shape)
 
 
 def _packed_micro_batches(
@@ -146,12 +141,16 @@ def _packed_micro_batches(
         part = batch.select(rows).tensors
         row_lengths = [lengths[i] for i in rows]
         micro_batches.append(MicroBatch(rows, pack_rows(dict(part), row_lengths, width, multiple), row_lengths))
+    return _with_fillers(micro_batches, shape)
+
+
+def _with_fillers(micro_batches: list[MicroBatch], shape: ScheduleShape) -> list[MicroBatch]:
+    """Filler micro-batches up to the count the schedule needs (agreed across ranks, a multiple of its groups)."""
     count = len(micro_batches)
     if shape.agree_across_ranks:
         count = _agree_max(count)
     count = -(-count // shape.multiple_of) * shape.multiple_of
-    micro_batches += [_filler(micro_batches[-1]) for _ in range(count - len(micro_batches))]
-    return micro_batches
+    return micro_batches + [_filler(micro_batches[-1]) for _ in range(count - len(micro_batches))]
 
 
 def _agree_max(value: int) -> int:

@@ -106,10 +106,11 @@ def _reduce_metrics(payloads: list[dict[str, Any]]) -> dict[str, float]:
         values = torch.stack([payload[name] for name in names]).to(sums.device)
         sums = torch.where(is_max, torch.maximum(sums, values), sums + values)
     if payloads:
-        maxima = sums.clone()
+        maxima = sums.clone() if is_max.any() else None
         dist.all_reduce(sums, group=ps.get_data_parallel_group())
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
-        sums = torch.where(is_max, maxima, sums)
+        if maxima is not None:  # a second collective only for steps that report a maximum
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+            sums = torch.where(is_max, maxima, sums)
     sums = _broadcast_tensor_from_last_stage(sums)
     values = sums.tolist()  # one host sync per optimizer step, for logging
     return {name: _final(name, total, weight) for name, (total, weight) in zip(names, values)}

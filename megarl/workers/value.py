@@ -38,7 +38,7 @@ def _values(head_output: torch.Tensor, position_ids: torch.Tensor | None = None)
 
 
 def _last_token_scores(head_output: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The head at each sample's last real token [samples]; packed rows: at each sample's end in `cu_seqlens`."""
+    """The head at each sample's last real token [samples]; packed rows: at each sample's `sample_ends`."""
     if "sample_ends" in tensors:
         return head_output.squeeze(-1).float()[0, tensors["sample_ends"].to(head_output.device)]
     last = tensors["attention_mask"].sum(dim=1).long().clamp(min=1) - 1
@@ -78,9 +78,7 @@ def compute_values(model: RoleModel, batch: Batch, max_tokens: int = 16384, pack
 
 def compute_scores(model: RoleModel, batch: Batch, max_tokens: int = 16384, packing: bool = False) -> Batch | None:
     """Reward-model `scores` [B]: the head at each sequence's last real token; packing: packed micro-batches."""
-    return _forward_rows(
-        model, batch, max_tokens, "scores", lambda out, tensors: _last_token_scores(out, tensors), packing
-    )
+    return _forward_rows(model, batch, max_tokens, "scores", _last_token_scores, packing)
 
 
 def update_critic(
