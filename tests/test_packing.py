@@ -90,3 +90,20 @@ def test_packed_rope_equals_megatrons_per_sample_loop():
         ours = vectorized(t, cu, freqs, rotary_interleaved=interleaved, cp_group=Group())
         theirs = original(t, cu, freqs, rotary_interleaved=interleaved, cp_group=Group())
         assert torch.equal(ours, theirs)
+
+
+def test_packing_is_kept_for_batches_where_padding_would_cost():
+    from megarl.data.batch import Batch
+    from megarl.workers.schedule import packing_pays
+
+    def batch(lengths: list[int]) -> Batch:
+        mask = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+        for row, length in enumerate(lengths):
+            mask[row, :length] = 1
+        return Batch({"input_ids": mask.clone(), "attention_mask": mask})
+
+    # padding share = 1 - real tokens / (rows x longest row)
+    assert not packing_pays(batch([14, 15, 15, 15]), 0.1)  # 1/60 of padding: packing would save nothing
+    assert packing_pays(batch([14, 15, 15, 15]), 0.0)  # 0: always
+    assert packing_pays(batch([4, 15, 6, 5]), 0.1)  # RL's ragged rows: half the tokens would be padding
+    assert packing_pays(batch([9, 10]), 0.05) and not packing_pays(batch([9, 10]), 0.06)  # exactly 1/20

@@ -16,7 +16,7 @@ from job_helpers import interrupt_after, megarl_train, metrics, write_config
 def grpo_run(tmp_path_factory):
     """An uninterrupted 8-step GRPO run: checked by itself, and the reference an interrupted run must reproduce."""
     folder = tmp_path_factory.mktemp("grpo")
-    megarl_train(write_config(folder, "[grpo]", 8))
+    megarl_train(write_config(folder, "[grpo]", 8), "placement.handover=always")  # the GPU path's calls, on CPU
     return folder / "run"
 
 

@@ -155,6 +155,11 @@ class Worker:
 
         return torch.device("cpu")
 
+    def device_type(self) -> str:
+        """Where this worker computes: "cuda" or "cpu" (the controller asks once, e.g. whether a handover frees
+        anything)."""
+        return self.device.type
+
     def call_method(self, method: str, keep_result: bool, /, *args: Any, **kwargs: Any) -> Any:
         """Run `method(*args, **kwargs)` for the group; return its result only where the collect mode uses it, so
         that ranks whose results are dropped (TP peers, early pipeline stages) send nothing back. The device

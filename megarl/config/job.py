@@ -115,6 +115,11 @@ class PlacementConfig:
     """split: GPUs of the rollout engines (a multiple of rollout.gpus_per_engine)."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """colocated: what the training roles hand over while the engines generate (trainer/handover.py)."""
+    handover: Literal["auto", "always"] = "auto"
+    """colocated: when the roles and engines hand memory over around each generation. auto: when the workers
+    compute on GPUs (on a CPU machine everything lives in host memory, and each handover call is a Ray round trip
+    for nothing); always: on a CPU machine too (frees the gradient buffers while the engines generate, and runs the
+    GPU path's calls where a test can see them)."""
 
     def check(self, key: str) -> None:
         if self.train_gpus < 1:
@@ -183,10 +188,38 @@ class JobConfig:
     def needs_ref(self) -> bool:
         return bool(self.rl_stages) and self.algorithm.needs_ref()
 
+    def hybrid_engine(self) -> bool:
+        """Whether the hf engine runs inside the actor's worker (rollout.hf.hybrid); `on` where it cannot is a
+        UserError naming what rules it out."""
+        choice, rollout, placement = self.rollout.hf.hybrid, self.rollout, self.placement
+        if choice == "off" or not self.rl_stages:
+            return False
+        blockers = [
+            f"{key}={value!r} (needs {wanted!r})"
+            for key, value, wanted in (
+                ("rollout.backend", rollout.backend, "hf"),
+                ("placement.mode", placement.mode, "colocated"),
+                ("placement.train_gpus", placement.train_gpus, 1),
+                ("rollout.gpus_per_engine", rollout.gpus_per_engine, 1),
+                ("rollout.weight_sync", rollout.weight_sync, "auto"),
+            )
+            if value != wanted
+        ]
+        if blockers and choice == "on":
+            raise UserError(
+                "rollout.hf.hybrid=on runs the engine inside the one actor worker, which this job rules out: "
+                f"{'; '.join(blockers)}; use rollout.hf.hybrid=auto or off"
+            )
+        # auto: on this machine's CPUs only (a local Ray instance, no CUDA): the hybrid has not run on a GPU yet
+        return not blockers and (choice == "on" or (self.cluster.is_local and not _cuda_here()))
+
     def weight_sync_transport(self) -> str:
-        """rollout.weight_sync resolved for this job's placement and actor layout (megarl/rollout/transports.py)."""
+        """rollout.weight_sync resolved for this job's placement and actor layout (megarl/rollout/transports.py);
+        `in_process` for a hybrid engine (the actor's worker copies the weights into its own engine)."""
         from megarl.rollout.transports import resolve_weight_sync
 
+        if self.hybrid_engine():
+            return "in_process"
         parallel = self.actor.model.parallel
         per_node, per_engine = self.cluster.gpus_per_node, self.rollout.gpus_per_engine
         engine_nodes = per_engine // per_node if per_node and per_engine > per_node else 1
@@ -233,3 +266,9 @@ class JobConfig:
                 f"placement.rollout_gpus={self.placement.rollout_gpus} is not a multiple of "
                 f"rollout.gpus_per_engine={self.rollout.gpus_per_engine}"
             )
+
+
+def _cuda_here() -> bool:
+    import torch  # here only: the config package itself stays light
+
+    return torch.cuda.is_available()

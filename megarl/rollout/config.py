@@ -62,6 +62,13 @@ class HFEngineConfig:
     strict_weight_sync: bool = True
     """finish_weight_update fails unless every checkpoint tensor arrived since begin_weight_update; false accepts
     partial updates (tensors not sent keep their old values)."""
+    hybrid: Literal["auto", "on", "off"] = "auto"
+    """Run the engine inside the actor's worker process (verl's hybrid engine): generation computes on the actor's
+    own thread and the weight sync is an in-process copy, with no Ray call or host copy between them. Possible
+    with placement.mode=colocated, one actor worker (placement.train_gpus=1), one engine and
+    rollout.weight_sync=auto (config/job.py `hybrid_engine`). auto: whenever possible on a machine without CUDA
+    (a local Ray instance; on GPUs it has not run yet); on: also on GPUs, and refuse a job where it is not
+    possible; off: the engine has a worker of its own."""
 
     def check(self, key: str) -> None:
         if self.max_batch_size < 1:

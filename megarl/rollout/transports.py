@@ -12,6 +12,8 @@
   system every node shares); every engine then reads it (SGLang's update_weights_from_disk: all ranks of an engine,
   on every node). The road for engines across nodes when no broadcast group can be used: CUDA IPC handles and the
   rollout worker's host copies reach only the GPUs of its own node.
+- `in_process`: not a choice of `rollout.weight_sync`: a hybrid engine's (rollout.hf.hybrid: the engine runs inside
+  the one actor worker) weights are copied in place by that worker (config/job.py `weight_sync_transport`).
 - `auto`: for engines within a node, ipc when colocated, nccl when split with SGLang and one sending rank,
   object_store otherwise; for engines across nodes, nccl when split with SGLang and one sending rank, else disk.
 """

@@ -17,9 +17,11 @@ What is redirected, and why:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import warnings
+from collections.abc import Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -119,6 +121,22 @@ def activate() -> bool:
         _active_mode.__enter__()
         _patch_custom_backward()
     return True
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Torch calls inside run without the mode: code that never names CUDA (a transformers model on the CPU, e.g.
+    the hybrid engine's generation) does not pay the mode's Python call on every op."""
+    from torch.overrides import _get_current_function_mode
+
+    if _active_mode is None or _get_current_function_mode() is not _active_mode:
+        yield
+        return
+    _active_mode.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        _active_mode.__enter__()
 
 
 def _patch_custom_backward() -> None:

@@ -50,25 +50,18 @@ class WeightSync:
 
     def __call__(self, new_version: bool = True) -> dict[str, float]:
         version = self.state.weight_version + int(new_version)
-        rollout, actor = self.roles.rollout, self.roles.actor
+        actor = self.roles.actor
         if self.route is None:
             self.route = self._route()
         route, folder = self.route, None
         if self.transport == "disk":
             folder = self._fresh_folder(version)
             route = dataclasses.replace(route, disk_dir=str(folder))
-        rollout.call("begin_weight_update", version)
-        try:
-            sent = actor.call("sync_weights", route, version, self.rollout.bucket_bytes, collect="all")
-            if folder is not None:
-                rollout.call("load_weights_from_disk", str(folder))
-        except BaseException as err:
-            rollout.call("abandon_weight_update", str(err).splitlines()[0][:300])
-            raise
-        finally:
-            if folder is not None:
-                shutil.rmtree(folder, ignore_errors=True)
-        received = rollout.call("finish_weight_update", version)
+        if self.transport == "in_process":  # a hybrid engine: its worker runs the whole transaction in one call
+            results = actor.call("sync_into_engine", route, version, self.rollout.bucket_bytes)
+            sent, received = [r["sent"] for r in results], [r["received"] for r in results]
+        else:
+            sent, received = self._transaction(route, version, folder)
         self.num_syncs += 1
         verify = self.rollout.verify_sync
         verified = 0
@@ -81,8 +74,26 @@ class WeightSync:
             "sync/engine_seconds": max(r.seconds for r in received),
             "sync/weight_version": float(version),
             "sync/ipc_engines": max(s["ipc_engines"] for s in sent),
+            "sync/in_process_engines": max(s["in_process_engines"] for s in sent),
             "sync/verified_tensors": float(verified),
         }
+
+    def _transaction(self, route, version: int, folder: Path | None) -> tuple[list[dict], list]:
+        """Begin on every engine, stream from every sending rank, finish: (what each rank sent, what each engine
+        received). A failure on the sending side makes every engine abandon the update."""
+        rollout, actor = self.roles.rollout, self.roles.actor
+        rollout.call("begin_weight_update", version)
+        try:
+            sent = actor.call("sync_weights", route, version, self.rollout.bucket_bytes, collect="all")
+            if folder is not None:
+                rollout.call("load_weights_from_disk", str(folder))
+        except BaseException as err:
+            rollout.call("abandon_weight_update", str(err).splitlines()[0][:300])
+            raise
+        finally:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        return sent, rollout.call("finish_weight_update", version)
 
     def _fresh_folder(self, version: int) -> Path:
         if self.disk_root is None:

@@ -3,7 +3,8 @@ handover).
 
 Whoever needs the GPUs asks first: `to_training()` before role compute (log-probs, updates, checkpoints),
 `to_rollout(sync)` before generation. Each call is a no-op when the GPUs are already theirs, and with split
-placement always (the engines have GPUs of their own; `to_rollout` then only runs `sync` when one is given).
+placement always (the engines have GPUs of their own; `to_rollout` then only runs `sync` when one is given), as on
+a CPU machine unless placement.handover=always.
 
 To the engines, with the weight sync in the middle, so that it runs while the actor's and the engine's weights are
 both resident and the KV cache is not:
@@ -32,12 +33,13 @@ Holder = Literal["both", "training", "rollout"]
 
 
 class Handover:
-    def __init__(self, roles: Roles, offload: OffloadConfig, resync: Sync):
+    def __init__(self, roles: Roles, offload: OffloadConfig, resync: Sync, when: str = "auto"):
         self.roles = roles
         self.offload = offload
         self.resync = resync
         """Re-sends the weights the engines should hold (same version): after they released them."""
-        self.enabled = roles.colocated
+        self.enabled = roles.colocated and (when == "always" or roles.on_gpus)
+        """placement.handover: auto hands over on GPUs only (on a CPU machine everything lives in host memory)."""
         self.holder: Holder = "both"
         """Who holds the GPUs: at start-up both have loaded their models."""
         self.calls: list[str] = []

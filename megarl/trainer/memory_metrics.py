@@ -2,8 +2,8 @@
 
 When a phase of a step ends, every worker group is asked for its memory (`Worker.memory_stats`, one call per
 group); the controller does not wait for the answers (a worker answers before its next call, so the numbers are
-those of the phase's end) and collects them when the step's metrics are taken. A step's metrics then carry, per
-phase:
+those of the phase's end) and collects them when the step's metrics are taken (on a CPU machine without a
+handover: the update phase's only). A step's metrics then carry, per phase:
   - `memory/<phase>/<role>_allocated_gb`: the role's peak CUDA allocation during the phase (largest rank);
   - `memory/<phase>/reserved_gb`: CUDA memory reserved by the caching allocators (all roles of a GPU, summed);
   - `memory/<phase>/device_used_gb`: the device's used memory as the driver sees it (largest GPU);
@@ -20,16 +20,20 @@ PREFIX = "memory/"
 
 
 class MemoryProbe:
-    def __init__(self, groups: Sequence[WorkerGroup], enabled: bool = True):
+    def __init__(self, groups: Sequence[WorkerGroup], enabled: bool = True, every_phase: bool = True):
         self.groups = list(groups)
         self.enabled = enabled
+        self.every_phase = every_phase
+        """False: the update phase only (`memory/update/...`, the step's peak): a CPU machine without a handover,
+        where the phases share the processes' host memory and a call per group and phase costs more than it
+        tells."""
         self._metrics: dict[str, float] = {}
         self._pending: list[tuple[str, list]] = []
         """(phase, [(role, call)]) asked for and not yet collected."""
 
     def sample(self, phase: str) -> None:
         """Ask every group for its memory at the end of `phase` (a repeated phase keeps its largest numbers)."""
-        if self.enabled:
+        if self.enabled and (self.every_phase or phase == "update"):
             self._pending.append((phase, [(group.role, group.async_call("memory_stats")) for group in self.groups]))
 
     def _collect(self, phase: str, pending: list) -> None:

@@ -213,9 +213,12 @@ class MetricsLogger:
         self._metrics_file.write(json.dumps(record, allow_nan=False) + "\n")
         self._sync(self._metrics_file)
         finite = {name: value for name, value in values.items() if math.isfinite(value)}
-        if self._tensorboard is not None:
-            for name, value in finite.items():
-                self._tensorboard.add_scalar(name, value, global_step=step)
+        if self._tensorboard is not None and finite:
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            # one event of every scalar (add_scalar builds an event per value: 10x the time, 2 ms a step)
+            values_proto = [Summary.Value(tag=name, simple_value=value) for name, value in finite.items()]
+            self._tensorboard._get_file_writer().add_summary(Summary(value=values_proto), global_step=step)
             self._tensorboard.flush()
         if self._wandb_run is not None and finite:
             self._wandb_run.log(finite, step=step)

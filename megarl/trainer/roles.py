@@ -9,6 +9,9 @@ A rollout engine of g = rollout.gpus_per_engine GPUs has one worker, on the firs
 starts the engine on the GPU ids of its g bundles, which the driver asks the pool for (`assign_engine_gpus`). An
 engine larger than a node takes whole nodes: its worker starts the engine's processes on the other nodes through
 one EngineNode actor per node, on that node's first bundle (megarl/workers/engine_nodes.py).
+
+A hybrid engine (rollout.hf.hybrid: colocated, one actor worker, one hf engine) has no worker: the actor's worker
+hosts it, and `roles.rollout` is a view of the actor group (megarl/workers/hybrid_worker.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from megarl.cluster.worker_group import WorkerGroup
 from megarl.config.job import JobConfig, RoleConfig
 from megarl.errors import UserError
 from megarl.workers.engine_nodes import NOSET_CUDA_VISIBLE_DEVICES, EngineNodeSlot
+from megarl.workers.hybrid_worker import EngineView, HybridActorWorker
 from megarl.workers.megatron_worker import MegatronWorker
 from megarl.workers.rollout_worker import RolloutWorker
 
@@ -32,7 +36,8 @@ from megarl.workers.rollout_worker import RolloutWorker
 @dataclass
 class Roles:
     actor: WorkerGroup
-    rollout: WorkerGroup
+    rollout: WorkerGroup | EngineView
+    """The rollout engines' workers; a hybrid engine's (rollout.hf.hybrid) are the actor's: an EngineView."""
     critic: WorkerGroup | None
     ref: WorkerGroup | None
     reward_model: WorkerGroup | None
@@ -43,9 +48,16 @@ class Roles:
     GPU, the worker's."""
     engine_nodes: list[list[EngineNodeSlot]] | None = None
     """Each engine's other nodes (node-rank 1, 2, ...), for engines across nodes; None: engines within a node."""
+    on_gpus: bool = True
+    """Whether the training workers compute on GPUs (asked of the actor's workers at start-up)."""
 
     def training_groups(self) -> list[WorkerGroup]:
         return [g for g in (self.actor, self.critic, self.ref, self.reward_model) if g is not None]
+
+    def processes(self) -> list[WorkerGroup]:
+        """Every group with workers of its own (a hybrid engine's are the actor's)."""
+        engines = [] if isinstance(self.rollout, EngineView) else [self.rollout]
+        return [*self.training_groups(), *engines]
 
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):  # the group may be down already
@@ -131,10 +143,11 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
     }
     train_roles = ["actor", *[name for name, on in wanted.items() if on]]
     colocated = config.placement.mode == "colocated"
+    hybrid = config.hybrid_engine()  # the engine inside the actor's worker: no worker of its own
     train_pool = _pool("train", config.placement.train_gpus, cluster, cluster.cpus_per_worker)
     pools = [train_pool]
     if colocated:
-        rollout_pool, share = train_pool, _share(len(train_roles) + 1)
+        rollout_pool, share = train_pool, _share(len(train_roles) + (not hybrid))
         rollout_share = share
     else:
         rollout_pool = _pool("rollout", config.placement.rollout_gpus, cluster, cluster.cpus_per_worker)
@@ -142,7 +155,8 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
         share, rollout_share = _share(len(train_roles)), 1.0
 
     def group(role: str) -> WorkerGroup:
-        return WorkerGroup(MegatronWorker, train_pool, role, num_gpus_per_worker=share, env=env, timeouts=timeouts)
+        worker_cls = HybridActorWorker if hybrid and role == "actor" else MegatronWorker
+        return WorkerGroup(worker_cls, train_pool, role, num_gpus_per_worker=share, env=env, timeouts=timeouts)
 
     gpus_per_engine = config.rollout.gpus_per_engine
     engine_gpu_ids, engine_nodes, rollout_env = None, None, env
@@ -156,17 +170,19 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
             ]
         rollout_env = {**env, NOSET_CUDA_VISIBLE_DEVICES: "1"}
     groups = {role: group(role) for role in train_roles}
-    num_engines = rollout_pool.world_size // gpus_per_engine
-    rollout = WorkerGroup(
-        RolloutWorker,
-        rollout_pool,
-        "rollout",
-        world_size=num_engines,
-        num_gpus_per_worker=rollout_share,
-        env=rollout_env,
-        timeouts=timeouts,
-        bundle_stride=gpus_per_engine,
-    )
+    if hybrid:
+        rollout = EngineView(groups["actor"])
+    else:
+        rollout = WorkerGroup(
+            RolloutWorker,
+            rollout_pool,
+            "rollout",
+            world_size=rollout_pool.world_size // gpus_per_engine,
+            num_gpus_per_worker=rollout_share,
+            env=rollout_env,
+            timeouts=timeouts,
+            bundle_stride=gpus_per_engine,
+        )
     roles = Roles(
         actor=groups["actor"],
         rollout=rollout,
@@ -178,6 +194,7 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
         engine_gpu_ids=engine_gpu_ids,
         engine_nodes=engine_nodes,
     )
+    roles.on_gpus = "cuda" in roles.actor.call("device_type")
     setup_roles(config, roles, rl_optimizer_steps, resume)
     return roles
 

@@ -92,12 +92,18 @@ class MicroBatchSettings:
     each sample): log-probs, values, scores and updates of every role (a reward model's pairs stay in one
     micro-batch), and SFT. MoE passes that compare or replay rollout routing run padded rows (their per-sample
     routing records are row-aligned); false: padded rows everywhere."""
+    packing_min_padding: float = 0.1
+    """Pack only a batch whose padded rows would spend at least this share of their tokens on padding: rows of
+    about one length gain nothing from packing and pay for its index work (0: always pack). Expert-parallel ranks
+    always pack (they must agree and hold different rows)."""
     forward_max_tokens: int = 0
     """Budget for forward-only passes (log-probs, values); 0 = 2 x max_tokens."""
 
     def check(self, key: str) -> None:
         if self.max_tokens < 1:
             raise UserError(f"{key}.max_tokens={self.max_tokens} must be >= 1")
+        if not 0 <= self.packing_min_padding < 1:
+            raise UserError(f"{key}.packing_min_padding={self.packing_min_padding} must be in [0, 1)")
 
     @property
     def forward_budget(self) -> int:

@@ -60,6 +60,12 @@ class MegatronWorker(Worker):
 
         self.model.optimizer = build_optimizer(optimizer, self.model.chunks, total_steps)
 
+    def _packing(self, batch: Batch) -> bool:
+        """micro_batch.packing, for a batch where it pays (micro_batch.packing_min_padding)."""
+        from megarl.workers.schedule import packing_pays
+
+        return self.micro_batch.packing and packing_pays(batch, self.micro_batch.packing_min_padding)
+
     # -- policy (actor, ref) -------------------------------------------------------------------------------------
 
     def compute_logprobs(
@@ -69,37 +75,36 @@ class MegatronWorker(Worker):
         from megarl.workers.policy import compute_logprobs
 
         budget = self.micro_batch.forward_budget
-        packing = self.micro_batch.packing
-        return compute_logprobs(self.model, batch, temperature, budget, with_entropy, routing, packing)
+        return compute_logprobs(self.model, batch, temperature, budget, with_entropy, routing, self._packing(batch))
 
     def update_policy(self, batch: Batch, loss_fn, temperature: float = 1.0) -> dict[str, float]:
         from megarl.workers.policy import update_policy
 
         faults.hit(f"{self.role}.update")
         settings = self.micro_batch
-        return update_policy(self.model, batch, loss_fn, temperature, settings.max_tokens, settings.packing)
+        return update_policy(self.model, batch, loss_fn, temperature, settings.max_tokens, self._packing(batch))
 
     # -- value (critic, reward model) ----------------------------------------------------------------------------
 
     def compute_values(self, batch: Batch) -> Batch | None:
         from megarl.workers.value import compute_values
 
-        return compute_values(self.model, batch, self.micro_batch.forward_budget, self.micro_batch.packing)
+        return compute_values(self.model, batch, self.micro_batch.forward_budget, self._packing(batch))
 
     def update_critic(self, batch: Batch, loss_fn) -> dict[str, float]:
         from megarl.workers.value import update_critic
 
-        return update_critic(self.model, batch, loss_fn, self.micro_batch.max_tokens, self.micro_batch.packing)
+        return update_critic(self.model, batch, loss_fn, self.micro_batch.max_tokens, self._packing(batch))
 
     def compute_scores(self, batch: Batch) -> Batch | None:
         from megarl.workers.value import compute_scores
 
-        return compute_scores(self.model, batch, self.micro_batch.forward_budget, self.micro_batch.packing)
+        return compute_scores(self.model, batch, self.micro_batch.forward_budget, self._packing(batch))
 
     def update_reward_model(self, batch: Batch) -> dict[str, float]:
         from megarl.workers.value import update_reward_model
 
-        return update_reward_model(self.model, batch, self.micro_batch.max_tokens, self.micro_batch.packing)
+        return update_reward_model(self.model, batch, self.micro_batch.max_tokens, self._packing(batch))
 
     def greedy_decode(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]:
         """Reference greedy decoding with the Megatron model (checks of the rollout engine)."""

@@ -11,7 +11,10 @@ naming the node when one of them is gone.
 
 Calls run on threads (`max_concurrency`), so that `abort`, `health` and `weight_version` reach the worker while a
 `generate` runs (asynchronous RL interrupts generation for weight syncs); every other engine call takes `_lock`,
-so those still run one at a time, as on a single-threaded worker.
+so those still run one at a time, as on a single-threaded worker. The engine computes on one thread of its own
+(`_compute`), whichever of Ray's threads took the call: every thread that runs torch ops gets an OpenMP team of its
+own, and on a CPU the idle teams' spinning threads take the cores from the working one (a generate call from
+Ray's changing threads took twice as long as from one thread: tools/bench/README.md, vs_trl).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from megarl.cluster.worker import Worker
@@ -84,10 +88,19 @@ class RolloutWorker(Worker):
     """Calls at once (WorkerGroup's default for this class): a generate call, an abort, health checks, the weight
     buckets in flight (two per sending rank) and an evaluation waiting for the engine."""
 
-    def __init__(self):
+    def __init__(self, engine_thread: bool = True):
+        """engine_thread=False: engine calls run on the calling thread (a worker that hosts the engine on its own
+        single thread: workers/hybrid_worker.py)."""
         self._lock = threading.Lock()
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine") if engine_thread else None
         self._nodes: list = []
         self._node_slots: list[EngineNodeSlot] = []
+
+    def _on_engine_thread(self, fn: Callable, *args: Any) -> Any:
+        """fn(*args) on the engine's compute thread (one OpenMP team for the process), waiting for its result."""
+        if self._compute is None:
+            return fn(*args)
+        return self._compute.submit(fn, *args).result()
 
     def setup(
         self,
@@ -111,7 +124,9 @@ class RolloutWorker(Worker):
             if nodes:
                 kwargs["node"] = self._start_other_nodes(model_path, config, kwargs, list(nodes))
                 kwargs["startup_watch"] = self.check_nodes  # a node that fails to start is named at once
-            self.engine = build_engine(config.backend, str(hf_config_dir(model_path)), config, gpu_ids, **kwargs)
+            self.engine = self._on_engine_thread(
+                lambda: build_engine(config.backend, str(hf_config_dir(model_path)), config, gpu_ids, **kwargs)
+            )
             self._sync_start = 0.0
             self._sync_tensors = self._sync_bytes = 0
         return {"seconds": time.perf_counter() - start}
@@ -153,9 +168,10 @@ class RolloutWorker(Worker):
             check_engine_nodes(self._nodes, self._node_slots, f"rollout engine {self.rank}")
 
     def _checked(self, call, *args):
-        """Run an engine call; when it fails on a multi-node engine, a lost node is named first."""
+        """Run an engine call on the compute thread; when it fails on a multi-node engine, a lost node is named
+        first."""
         try:
-            return call(*args)
+            return self._on_engine_thread(call, *args)
         except BaseException:
             self.check_nodes()
             raise
@@ -210,7 +226,7 @@ class RolloutWorker(Worker):
     def verify_weights(self, expected: Bucket) -> list[str]:
         """Differences between the engine's weights and `expected` (see RolloutEngine.verify_weights)."""
         with self._lock:
-            return self.engine.verify_weights(expected)
+            return self._on_engine_thread(self.engine.verify_weights, expected)
 
     def apply_bucket(self, bucket: Bucket) -> None:
         with self._lock:
@@ -234,11 +250,11 @@ class RolloutWorker(Worker):
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Free the engine's accelerator memory (`tags` among rollout.engine.MEMORY_TAGS; None: all)."""
         with self._lock:
-            self.engine.release_memory(tags)
+            self._on_engine_thread(self.engine.release_memory, tags)
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         with self._lock:
-            self.engine.resume_memory(tags)
+            self._on_engine_thread(self.engine.resume_memory, tags)
 
     def health(self) -> dict[str, Any]:
         from megarl.errors import RunFailure
@@ -255,6 +271,6 @@ class RolloutWorker(Worker):
 
         self.engine.abort()  # a generate call in flight ends at its next decode step and frees the lock
         with self._lock:
-            self.engine.shutdown()
+            self._on_engine_thread(self.engine.shutdown)
             stop_engine_nodes(self._nodes)
             self._nodes = []

@@ -73,6 +73,17 @@ def packing_multiple(chunks: Sequence[torch.nn.Module]) -> int:
     return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
+def packing_pays(batch: Batch, min_padding: float) -> bool:
+    """Whether padded rows of `batch` would spend at least `min_padding` of their tokens on padding (packing saves
+    that compute). Under expert parallelism always: ranks that hold different rows must all decide alike."""
+    from megatron.core import parallel_state
+
+    if min_padding <= 0 or parallel_state.get_expert_model_parallel_world_size() > 1 or not len(batch):
+        return True
+    lengths = batch.lengths
+    return 1 - lengths.sum().item() / (len(lengths) * lengths.max().item()) >= min_padding
+
+
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return getattr(chunk, "module", chunk)
 

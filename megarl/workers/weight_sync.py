@@ -10,6 +10,8 @@ bucket and engine, the road (megarl/rollout/transports.py):
   engine TP rank); the hf engine's worker gets the handle through Ray. Engines elsewhere take the object store;
 - nccl (SGLang engines on GPUs of their own): the sending rank broadcasts each flattened bucket to every engine GPU
   through an SGLangWeightSender it keeps between syncs (closed on any failure, so the next sync starts clean);
+- in_process (the hybrid engine: workers/hybrid_worker.py): the engine lives in the sending worker, which hands it
+  each bucket directly (the engine copies the tensors into its model);
 - disk (engines across nodes, any number of sending ranks): each sending rank writes its buckets as safetensors
   files into the sync's folder on the run's shared file system; the controller then has every engine read it.
 Gathering the next bucket overlaps the engines applying the current one; at most two buckets are in flight, which
@@ -22,6 +24,7 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +44,8 @@ class SenderState:
     """What a sending rank keeps between syncs: the NCCL group with the SGLang engines."""
 
     nccl: object | None = None
+    local_engine: Callable[[Bucket], None] | None = None
+    """The in_process road: the engine in this worker (workers/hybrid_worker.py), given each bucket directly."""
     samples: Bucket = field(default_factory=list)
     files_written: int = 0
     """Bucket files this rank wrote for the disk transport (their names count up within a sync folder)."""
@@ -48,7 +53,8 @@ class SenderState:
 
 def send_weights(model: LoadedModel, route: SyncRoute, version: int, bucket_bytes: int, state: SenderState) -> dict:
     """Collective over the actor's ranks: send this rank's buckets to every engine. Returns {"bytes", "tensors",
-    "buckets", "seconds", "ipc_engines", "samples"} of what this rank sent ("samples": the norm weights, on CPU)."""
+    "buckets", "seconds", "ipc_engines", "in_process_engines", "samples"} of what this rank sent ("samples": the
+    norm weights, on CPU)."""
     start = time.perf_counter()
     in_flight: deque[tuple[list, object]] = deque()
     sent_bytes = sent_tensors = num_buckets = 0
@@ -79,6 +85,7 @@ def send_weights(model: LoadedModel, route: SyncRoute, version: int, bucket_byte
         "buckets": float(num_buckets),
         "seconds": time.perf_counter() - start,
         "ipc_engines": float(sum(road == "ipc" for road in roads)),
+        "in_process_engines": float(sum(road == "in_process" for road in roads)),
         "samples": samples,
     }
 
@@ -92,8 +99,8 @@ def close_sender(state: SenderState) -> None:
 
 
 def _roads(route: SyncRoute) -> list[str]:
-    """Per engine: ipc (on this rank's GPU), nccl or object_store."""
-    if route.transport in ("nccl", "disk"):
+    """Per engine: in_process, ipc (on this rank's GPU), nccl, disk or object_store."""
+    if route.transport in ("nccl", "disk", "in_process"):
         return [route.transport] * len(route.engines)
     mine = device_uuid(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
     return [
@@ -110,6 +117,10 @@ def _send_bucket(bucket: Bucket, route: SyncRoute, roads: list[str], state: Send
     from megarl.rollout.sglang_weights import send_flattened_bucket
 
     calls, keep_alive = [], []
+    if "in_process" in roads:  # the engine in this process copies the tensors into its model before returning
+        if state.local_engine is None:
+            raise RuntimeError("rollout.weight_sync in_process: this actor worker hosts no engine (hybrid_worker.py)")
+        state.local_engine(bucket)
     if "disk" in roads:  # one file for every engine: they all read the folder
         _write_bucket(bucket, route.disk_dir, state)
     if "nccl" in roads:

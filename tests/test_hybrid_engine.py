@@ -1,0 +1,61 @@
+"""The hybrid engine (rollout.hf.hybrid): the hf engine inside the one actor worker, synced by an in-process copy.
+
+What a user checks: a job that can run hybrid does so on a CPU machine without being asked (one process fewer, the
+`in_process` weight sync), trains exactly as with an engine worker of its own, and `on` where it cannot run is
+refused before anything starts, naming the key.
+"""
+
+from __future__ import annotations
+
+import pytest
+from job_helpers import megarl_train, metrics, write_config
+
+from megarl.config import load_config
+from megarl.config.job import JobConfig
+from megarl.errors import UserError
+from megarl.trainer.metrics import read_samples
+
+
+def job(tmp_path, *overrides: str) -> JobConfig:
+    return load_config(JobConfig, write_config(tmp_path, "[grpo]", 2, tp=1), overrides)
+
+
+def test_a_one_worker_colocated_job_runs_hybrid_and_syncs_in_process(tmp_path):
+    config = job(tmp_path)
+    assert config.hybrid_engine() and config.weight_sync_transport() == "in_process"
+    off = job(tmp_path, "rollout.hf.hybrid=off")
+    assert not off.hybrid_engine() and off.weight_sync_transport() == "ipc"  # colocated, an engine worker
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("placement.train_gpus=2", "placement.train_gpus=2"),
+        ("rollout.weight_sync=object_store", "rollout.weight_sync='object_store'"),
+    ],
+)
+def test_hybrid_on_where_it_cannot_run_is_refused_naming_the_key(tmp_path, override, named):
+    assert not job(tmp_path, override).hybrid_engine()  # auto: an engine worker of its own
+    with pytest.raises(UserError, match="rollout.hf.hybrid=on") as error:
+        job(tmp_path, override, "rollout.hf.hybrid=on").hybrid_engine()
+    assert named in str(error.value)
+
+
+@pytest.mark.slow
+def test_the_hybrid_engine_trains_exactly_as_an_engine_worker(tmp_path):
+    runs = {}
+    for mode in ("auto", "off"):
+        folder = tmp_path / mode
+        folder.mkdir()
+        megarl_train(write_config(folder, "[grpo]", 3, tp=1), f"rollout.hf.hybrid={mode}")
+        runs[mode] = metrics(folder / "run")
+    assert all(step["sync/in_process_engines"] == 1 for step in runs["auto"])
+    assert all(step["sync/in_process_engines"] == 0 for step in runs["off"])
+    # a CPU machine hands nothing over (placement.handover=auto) and samples memory at the update only
+    assert not [r for r in read_samples(tmp_path / "auto" / "run") if r["name"] == "handover"]
+    assert all({k for k in step if k.startswith("memory/")} == {"memory/update/rss_gb"} for step in runs["auto"])
+    for hybrid, worker in zip(runs["auto"], runs["off"], strict=True):
+        same = [k for k in worker if k.startswith(("reward/", "actor/", "mismatch/", "response/"))]
+        assert same and {k: hybrid[k] for k in same} == {k: worker[k] for k in same}
+        assert hybrid["sync/bytes"] == worker["sync/bytes"] > 0  # every weight, once
+        assert hybrid["mismatch/abs_logprob_diff_max"] < 1e-4  # the engine holds the actor's weights
