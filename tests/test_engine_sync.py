@@ -38,7 +38,7 @@ class Roles:
 
 
 def sent(samples):
-    return {"bytes": 8.0, "seconds": 0.1, "ipc_engines": 0.0, "samples": samples}
+    return {"bytes": 8.0, "seconds": 0.1, "ipc_engines": 0.0, "in_process_engines": 0.0, "samples": samples}
 
 
 def make(verify: str, problems=None, send=None):

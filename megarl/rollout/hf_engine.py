@@ -18,6 +18,7 @@ Shapes: B rows being decoded, U distinct contexts of a round, L padded context l
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections.abc import Sequence
@@ -90,6 +91,9 @@ class HFEngine(RolloutEngine):
         if self.config.num_threads > 0:
             torch.set_num_threads(self.config.num_threads)  # process-wide: the engine owns its process's threads
         self.model = self._build_model()
+        # transformers renamed past_key_values to cache (warning on every forward under the old name)
+        forward_parameters = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_parameters else "past_key_values"
         self.tokenizer = self._build_tokenizer()
         self.eos_token_ids = self._eos_token_ids()
         self.weights = WeightLoader(self.model)
@@ -238,9 +242,9 @@ class HFEngine(RolloutEngine):
             input_ids=input_ids_BL,
             attention_mask=attention_mask_BL,
             position_ids=position_ids_BL,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{self._cache_kwarg: cache},
         )
         return out.logits[:, -1]
 

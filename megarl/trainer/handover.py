@@ -33,13 +33,13 @@ Holder = Literal["both", "training", "rollout"]
 
 
 class Handover:
-    def __init__(self, roles: Roles, offload: OffloadConfig, resync: Sync, when: str = "auto"):
+    def __init__(self, roles: Roles, offload: OffloadConfig, resync: Sync, enabled: bool = True):
         self.roles = roles
         self.offload = offload
         self.resync = resync
         """Re-sends the weights the engines should hold (same version): after they released them."""
-        self.enabled = roles.colocated and (when == "always" or roles.on_gpus)
-        """placement.handover: auto hands over on GPUs only (on a CPU machine everything lives in host memory)."""
+        self.enabled = roles.colocated and enabled
+        """`enabled` is False on a CPU machine unless placement.handover=always: everything lives in host memory."""
         self.holder: Holder = "both"
         """Who holds the GPUs: at start-up both have loaded their models."""
         self.calls: list[str] = []

@@ -146,6 +146,9 @@ def add_advantages(batch: Batch, algorithm: AlgorithmConfig) -> tuple[Batch, dic
 def mini_batches(batch: Batch, num: int, seed: int | None = None) -> Iterator[Batch]:
     """Cut the batch into `num` mini-batches of whole prompt groups: in order, or with `seed` in a random order of
     the groups drawn from it (each PPO epoch its own). A mini-batch keeps its rows in batch order."""
+    if num == 1:  # the whole batch, in its order
+        yield batch
+        return
     group_ids = batch["group_ids"]
     groups = torch.unique_consecutive(group_ids)
     if seed is not None and num > 1:

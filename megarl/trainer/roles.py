@@ -48,11 +48,13 @@ class Roles:
     GPU, the worker's."""
     engine_nodes: list[list[EngineNodeSlot]] | None = None
     """Each engine's other nodes (node-rank 1, 2, ...), for engines across nodes; None: engines within a node."""
-    on_gpus: bool = True
-    """Whether the training workers compute on GPUs (asked of the actor's workers at start-up)."""
 
     def training_groups(self) -> list[WorkerGroup]:
         return [g for g in (self.actor, self.critic, self.ref, self.reward_model) if g is not None]
+
+    def on_gpus(self) -> bool:
+        """Whether the training workers compute on GPUs (one call to the actor's workers)."""
+        return "cuda" in self.actor.call("device_type")
 
     def processes(self) -> list[WorkerGroup]:
         """Every group with workers of its own (a hybrid engine's are the actor's)."""
@@ -194,7 +196,6 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
         engine_gpu_ids=engine_gpu_ids,
         engine_nodes=engine_nodes,
     )
-    roles.on_gpus = "cuda" in roles.actor.call("device_type")
     setup_roles(config, roles, rl_optimizer_steps, resume)
     return roles
 

@@ -169,7 +169,9 @@ def _start(
     quantization = rollout_quantization(config.rollout, config.model.path)
     transport = config.weight_sync_transport()
     sync = WeightSync(roles, state, config.rollout, transport, quantization, disk_root=run_dir / "weight_sync")
-    handover = Handover(roles, config.placement.offload, lambda: sync(new_version=False), config.placement.handover)
+    on_gpus = roles.on_gpus()
+    hand_over = on_gpus or config.placement.handover == "always"
+    handover = Handover(roles, config.placement.offload, lambda: sync(new_version=False), enabled=hand_over)
     trained = {"actor": roles.actor, "critic": roles.critic}
     if "rm" in config.run.stages:
         trained["reward_model"] = roles.reward_model
@@ -184,7 +186,7 @@ def _start(
         Checkpointer(checkpoints, {k: g for k, g in trained.items() if g is not None}, state, handover),
         config.checkpoint,
         handover,
-        MemoryProbe(roles.processes(), config.logging.memory, every_phase=roles.on_gpus or handover.enabled),
+        MemoryProbe(roles.processes(), config.logging.memory, every_phase=on_gpus or handover.enabled),
         evaluator,
         num_sample_logs=config.rl.num_sample_logs,
     )
