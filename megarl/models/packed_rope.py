@@ -1,4 +1,4 @@
-"""RoPE over packed rows (THD) without a Python loop over the samples.
+"""RoPE over packed rows (THD) without a Python loop over the samples, and over padded rows (BSHD) without copies.
 
 Megatron-Core's unfused THD rotary embedding (`rope_utils._apply_rotary_pos_emb_thd`, used wherever Transformer
 Engine's fused kernel is not) splits the packed row into its samples on the host and slices frequencies sample by
@@ -7,9 +7,16 @@ short samples RL packs (tens of them per row) that loop cost 40% of the attentio
 quickstart-size model). Here each token's position within its sample is computed once on the device and the
 frequencies gathered in one op: the same numbers (each sample's positions count from 0, as in Megatron's mode 2),
 for context-parallel size 1; other cases go to Megatron's own function.
+
+Megatron's BSHD function slices the rotated part off the input and concatenates the rest back on, even when RoPE
+covers every channel (then the slice's backward writes a zero tensor and the concatenation copies queries and keys
+again: 40 concatenations per step, 3 ms of a 58 ms update at the quickstart size). With full-width RoPE and no MLA
+interleave this applies the same formula to the whole tensor: the same numbers, without the copies.
 """
 
 from __future__ import annotations
+
+import torch
 
 from megarl.data.packing import positions_in_samples
 
@@ -18,13 +25,23 @@ megatron_thd = None
 
 
 def install() -> None:
-    """Route Megatron's unfused THD rotary embedding through the vectorized version (idempotent)."""
+    """Route Megatron's unfused THD and BSHD rotary embeddings through the versions here (idempotent)."""
     global megatron_thd
     if megatron_thd is not None:
         return
     from megatron.core.models.common.embeddings import rope_utils
 
     original = megatron_thd = rope_utils._apply_rotary_pos_emb_thd
+    megatron_bshd = rope_utils._apply_rotary_pos_emb_bshd
+
+    def apply_bshd(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
+        if multi_latent_attention or freqs.shape[-1] != t.shape[-1]:  # partial RoPE, MLA: Megatron's own code
+            return megatron_bshd(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
+        cos_ = (torch.cos(freqs) * mscale).to(t.dtype)
+        sin_ = (torch.sin(freqs) * mscale).to(t.dtype)
+        return t * cos_ + rope_utils._rotate_half(t, rotary_interleaved) * sin_
+
+    rope_utils._apply_rotary_pos_emb_bshd = apply_bshd
 
     def apply_thd(
         t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0, cp_group=None
