@@ -60,13 +60,15 @@ def methods(group: Group) -> list[str]:
 @pytest.mark.parametrize(("verify", "verified"), [("first", [True, False, False]), ("every", [True, True, True]),
                                                   ("never", [False, False, False])])  # fmt: skip
 def test_verification_runs_after_the_syncs_it_is_asked_for(verify, verified):
-    sync, _, rollout = make(verify)
+    sync, actor, rollout = make(verify)
     for _ in range(3):
         rollout.calls.clear()
+        actor.calls.clear()
         metrics = sync()
         steps = [m for m in methods(rollout) if m in ("begin_weight_update", "finish_weight_update", "verify_weights")]
         checked = verified.pop(0)
         assert steps == ["begin_weight_update", "finish_weight_update"] + ["verify_weights"] * checked
+        assert actor.calls[0][-1] == checked  # the senders keep the sampled tensors only for a verified sync
         assert metrics["sync/verified_tensors"] == (1.0 if checked else 0.0)
     assert metrics["sync/weight_version"] == 3.0
 
@@ -194,7 +196,7 @@ def test_the_sending_side_starts_no_ray_of_its_own():
 def test_disk_sync_writes_a_fresh_folder_has_engines_read_it_and_removes_it(tmp_path):
     seen = {}
 
-    def sync_weights(route, version, bucket_bytes):
+    def sync_weights(route, version, bucket_bytes, keep_samples):
         folder = seen["folder"] = route.disk_dir
         assert (
             route.transport == "disk" and folder == str(tmp_path / "v1") and not any(tmp_path.joinpath("v1").iterdir())

@@ -57,15 +57,16 @@ class WeightSync:
         if self.transport == "disk":
             folder = self._fresh_folder(version)
             route = dataclasses.replace(route, disk_dir=str(folder))
+        verify = self.rollout.verify_sync
+        check = verify == "every" or (verify == "first" and self.num_syncs == 0)  # senders keep samples for it
         if self.transport == "in_process":  # a hybrid engine: its worker runs the whole transaction in one call
-            results = actor.call("sync_into_engine", route, version, self.rollout.bucket_bytes)
+            results = actor.call("sync_into_engine", route, version, self.rollout.bucket_bytes, check)
             sent, received = [r["sent"] for r in results], [r["received"] for r in results]
         else:
-            sent, received = self._transaction(route, version, folder)
+            sent, received = self._transaction(route, version, folder, check)
         self.num_syncs += 1
-        verify = self.rollout.verify_sync
         verified = 0
-        if verify == "every" or (verify == "first" and self.num_syncs == 1):
+        if check:
             verified = self._verify([item for s in sent for item in s["samples"]], version)
         self.state.weight_version = version
         return {
@@ -78,13 +79,13 @@ class WeightSync:
             "sync/verified_tensors": float(verified),
         }
 
-    def _transaction(self, route, version: int, folder: Path | None) -> tuple[list[dict], list]:
+    def _transaction(self, route, version: int, folder: Path | None, keep_samples: bool) -> tuple[list[dict], list]:
         """Begin on every engine, stream from every sending rank, finish: (what each rank sent, what each engine
         received). A failure on the sending side makes every engine abandon the update."""
         rollout, actor = self.roles.rollout, self.roles.actor
         rollout.call("begin_weight_update", version)
         try:
-            sent = actor.call("sync_weights", route, version, self.rollout.bucket_bytes, collect="all")
+            sent = actor.call("sync_weights", route, version, self.rollout.bucket_bytes, keep_samples, collect="all")
             if folder is not None:
                 rollout.call("load_weights_from_disk", str(folder))
         except BaseException as err:

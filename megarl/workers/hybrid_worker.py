@@ -49,26 +49,26 @@ class HybridActorWorker(MegatronWorker):
         super().__init__()
         self.engine_side = RolloutWorker(engine_thread=False)  # this worker's thread: one OpenMP team
 
-    def sync_into_engine(self, route, version: int, bucket_bytes: int) -> dict:
+    def sync_into_engine(self, route, version: int, bucket_bytes: int, keep_samples: bool = True) -> dict:
         """A whole weight sync into the embedded engine, in one call: begin, every bucket, finish (a failure makes
         the engine abandon the update: it refuses to generate until a complete sync). Returns {"sent": as
         sync_weights, "received": the engine's SyncStats}."""
         engine = self.engine_side
         engine.begin_weight_update(version)
         try:
-            sent = self.sync_weights(route, version, bucket_bytes)
+            sent = self.sync_weights(route, version, bucket_bytes, keep_samples)
         except BaseException as err:
             engine.abandon_weight_update(str(err).splitlines()[0][:300])
             raise
         return {"sent": sent, "received": engine.finish_weight_update(version)}
 
-    def sync_weights(self, route, version: int, bucket_bytes: int) -> dict:
+    def sync_weights(self, route, version: int, bucket_bytes: int, keep_samples: bool = True) -> dict:
         """The weights into the embedded engine: the route's in_process road applies each bucket directly."""
         from megarl.workers.weight_sync import SenderState
 
         if getattr(self, "_sender_state", None) is None:
             self._sender_state = SenderState(local_engine=self.engine_side.apply_bucket)
-        return super().sync_weights(route, version, bucket_bytes)
+        return super().sync_weights(route, version, bucket_bytes, keep_samples)
 
 
 def _delegate(name: str):

@@ -114,15 +114,16 @@ class MegatronWorker(Worker):
 
     # -- weights ---------------------------------------------------------------------------------------------------
 
-    def sync_weights(self, route, version: int, bucket_bytes: int) -> dict:
+    def sync_weights(self, route, version: int, bucket_bytes: int, keep_samples: bool = True) -> dict:
         """Stream this rank's share of the HF-named weights into every rollout engine along `route` (a SyncRoute:
-        workers/weight_sync.py), keeping what a transport needs between syncs (the NCCL group)."""
+        workers/weight_sync.py), keeping what a transport needs between syncs (the NCCL group). `keep_samples`:
+        return the norm weights sent, for the controller to verify the engines against."""
         from megarl.workers.weight_sync import SenderState, send_weights
 
         faults.hit(f"{self.role}.sync")
         if getattr(self, "_sender_state", None) is None:
             self._sender_state = SenderState()
-        return send_weights(self.model.loaded, route, version, bucket_bytes, self._sender_state)
+        return send_weights(self.model.loaded, route, version, bucket_bytes, self._sender_state, keep_samples)
 
     def export_weights(self) -> list[tuple[str, object]]:
         """This rank's share of the HF-named weights, as a sync would send them (checks and debugging; a sync

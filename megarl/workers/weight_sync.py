@@ -25,7 +25,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -46,15 +46,16 @@ class SenderState:
     nccl: object | None = None
     local_engine: Callable[[Bucket], None] | None = None
     """The in_process road: the engine in this worker (workers/hybrid_worker.py), given each bucket directly."""
-    samples: Bucket = field(default_factory=list)
     files_written: int = 0
     """Bucket files this rank wrote for the disk transport (their names count up within a sync folder)."""
 
 
-def send_weights(model: LoadedModel, route: SyncRoute, version: int, bucket_bytes: int, state: SenderState) -> dict:
+def send_weights(
+    model: LoadedModel, route: SyncRoute, version: int, bucket_bytes: int, state: SenderState, keep_samples: bool = True
+) -> dict:
     """Collective over the actor's ranks: send this rank's buckets to every engine. Returns {"bytes", "tensors",
     "buckets", "seconds", "ipc_engines", "in_process_engines", "samples"} of what this rank sent ("samples": the
-    norm weights, on CPU)."""
+    norm weights, on CPU, when `keep_samples`: the controller verifies this sync)."""
     start = time.perf_counter()
     in_flight: deque[tuple[list, object]] = deque()
     sent_bytes = sent_tensors = num_buckets = 0
@@ -70,7 +71,8 @@ def send_weights(model: LoadedModel, route: SyncRoute, version: int, bucket_byte
                 while len(in_flight) >= MAX_BUCKETS_IN_FLIGHT:
                     _wait(in_flight.popleft()[0])
                 in_flight.append(_send_bucket(bucket, route, roads, state))
-                samples += [(name, t.detach().cpu().clone()) for name, t in bucket if verify.search(name)]
+                if keep_samples:
+                    samples += [(name, t.detach().cpu().clone()) for name, t in bucket if verify.search(name)]
                 sent_bytes += sum(t.nbytes for _, t in bucket)
                 sent_tensors += len(bucket)
                 num_buckets += 1
