@@ -1,5 +1,5 @@
 """The hybrid engine: the actor's Megatron worker also hosts the rollout engine (rollout.hf.hybrid; verl's
-"hybrid engine"), for a colocated job with one actor worker and one hf engine (the laptop quickstart).
+"hybrid engine"), for a colocated job with one actor worker and one hf engine (e.g. tools/bench/vs_trl.py's).
 
 Why: on a machine of few cores, an engine in a worker of its own costs a Ray call per handover, bucket and
 generate call, a host copy of every weight through the object store, and a second OpenMP thread team that takes
@@ -46,8 +46,12 @@ class HybridActorWorker(MegatronWorker):
     RolloutWorker's `<method>`."""
 
     def __init__(self):
+        from megarl.workers.weight_sync import SenderState
+
         super().__init__()
         self.engine_side = RolloutWorker(engine_thread=False)  # this worker's thread: one OpenMP team
+        # the in_process road of sync_weights hands each bucket to the engine here
+        self._sender_state = SenderState(local_engine=self.engine_side.apply_bucket)
 
     def sync_into_engine(self, route, version: int, bucket_bytes: int, keep_samples: bool = True) -> dict:
         """A whole weight sync into the embedded engine, in one call: begin, every bucket, finish (a failure makes
@@ -61,14 +65,6 @@ class HybridActorWorker(MegatronWorker):
             engine.abandon_weight_update(str(err).splitlines()[0][:300])
             raise
         return {"sent": sent, "received": engine.finish_weight_update(version)}
-
-    def sync_weights(self, route, version: int, bucket_bytes: int, keep_samples: bool = True) -> dict:
-        """The weights into the embedded engine: the route's in_process road applies each bucket directly."""
-        from megarl.workers.weight_sync import SenderState
-
-        if getattr(self, "_sender_state", None) is None:
-            self._sender_state = SenderState(local_engine=self.engine_side.apply_bucket)
-        return super().sync_weights(route, version, bucket_bytes, keep_samples)
 
 
 def _delegate(name: str):

@@ -119,7 +119,7 @@ def split_micro_batches(
         groups = token_budget_groups(unit_lengths, budget)
     micro_batches = []
     for units in groups:
-        rows = [u * unit + k for u in units for k in range(unit) if u * unit + k < len(lengths)]
+        rows = _rows_of(units, unit, len(lengths))
         part = batch.select(rows) if shape.fixed_shape else batch.select(rows).trim()
         micro_batches.append(MicroBatch(rows, dict(part.tensors)))
     if shape.fixed_shape:  # short groups get zero-weight rows up to the common row count
@@ -137,10 +137,7 @@ def _packed_micro_batches(
 ) -> list[MicroBatch]:
     # Units of `unit` consecutive rows (a reward model's pairs) are packed whole.
     unit_lengths = [sum(lengths[start : start + unit]) for start in range(0, len(lengths), unit)]
-    groups = [
-        [u * unit + k for u in units for k in range(unit) if u * unit + k < len(lengths)]
-        for units in pack_groups(unit_lengths, max_tokens)
-    ]
+    groups = [_rows_of(units, unit, len(lengths)) for units in pack_groups(unit_lengths, max_tokens)]
     width = None
     if shape.fixed_shape:  # every micro-batch one [1, width] row: the longest packed row, agreed where needed
         width = max(sum(lengths[i] for i in rows) for rows in groups)
@@ -153,6 +150,11 @@ def _packed_micro_batches(
         row_lengths = [lengths[i] for i in rows]
         micro_batches.append(MicroBatch(rows, pack_rows(dict(part), row_lengths, width, multiple), row_lengths))
     return _with_fillers(micro_batches, shape)
+
+
+def _rows_of(units: list[int], unit: int, num_rows: int) -> list[int]:
+    """The batch rows of `units` (each `unit` consecutive rows; the last may be short)."""
+    return [u * unit + k for u in units for k in range(unit) if u * unit + k < num_rows]
 
 
 def _with_fillers(micro_batches: list[MicroBatch], shape: ScheduleShape) -> list[MicroBatch]:
