@@ -183,6 +183,7 @@ def _summary(name: str, times: list[float], startup: float, warmup: int) -> dict
         step_mean_s=round(statistics.mean(measured), 4),
         step_spread=round((max(measured) - min(measured)) / statistics.median(measured), 3),
         steps_measured=len(measured),
+        times=[round(t, 4) for t in times],
     )
 
 
