@@ -181,10 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from megarl.runtime.quiet import silence_expected_warnings
+    from megarl.runtime.versions import check_versions
 
     silence_expected_warnings()
     args = build_parser().parse_args(argv)
     try:
+        check_versions()
         return args.run(args)
     except UserError as err:
         if args.debug:

@@ -54,3 +54,33 @@ def test_constraints_pin_versions_the_requirements_admit():
     (sglang,) = [Requirement(r) for r in project["optional-dependencies"]["sglang"]]
     assert str(sglang.specifier) == "==0.5.23"
     assert requirements["transformers"].specifier.contains("5.19.0")  # SGLang 0.5.23's pin
+
+
+def test_installed_versions_are_the_pinned_ones():
+    """The tests run in the environment constraints.txt describes (the README's install commands apply it), so the
+    numbers they and the README state are this environment's; a difference names the package and both versions
+    (after a deliberate upgrade: `python tools/lock_constraints.py`, then re-measure the README's numbers)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import lock_constraints
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    assert lock_constraints.differences(ROOT / "constraints.txt") == []
+
+
+def test_an_unsupported_library_version_stops_every_command_naming_it(monkeypatch, capsys):
+    """megarl reaches into transformers, Megatron-Core and math-verify: a version outside pyproject.toml's range
+    (e.g. after `pip install -U transformers`) is refused before any work, naming the library, both versions and
+    the fix."""
+    from megarl.cli import main
+    from megarl.runtime import versions
+
+    installed = {"transformers": "5.41.0", "megatron-core": "0.16.1", "math-verify": "0.9.0"}
+    monkeypatch.setattr(versions, "_installed_version", installed.get)
+    assert main(["plan", "--config", str(ROOT / "configs" / "quickstart.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "megarl: error: transformers 5.41.0 is installed, but megarl supports transformers<5.40,>=5.19 (it relies on "
+        "that library's internals). Install the tested versions: pip install -e . -c constraints.txt"
+    )
+    monkeypatch.setattr(versions, "_installed_version", (installed | {"transformers": "5.24.0"}).get)
+    versions.check_versions()  # the tested set passes

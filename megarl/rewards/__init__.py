@@ -10,10 +10,8 @@ from megarl.rewards.math_answer import (
     extract_hash_answer,
     extract_last_number,
     extract_tag_answer,
-    is_equivalent,
-    normalize_answer,
-    parse_number,
 )
+from megarl.rewards.math_equiv import is_equivalent
 from megarl.rewards.plugins import load_reward_fn
 from megarl.rewards.runner import RewardRunner
 from megarl.rewards.types import RewardFn, RewardFunctionError, RewardResult, RewardSample
@@ -37,6 +35,4 @@ __all__ = [
     "is_equivalent",
     "load_reward_fn",
     "math_reward",
-    "normalize_answer",
-    "parse_number",
 ]

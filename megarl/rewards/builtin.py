@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.errors import UserError
-from megarl.rewards.math_answer import FALLBACKS, ExtractStyle, extract_answer, is_equivalent, label_answers
+from megarl.rewards.math_answer import FALLBACKS, ExtractStyle, extract_answer, label_answers
+from megarl.rewards.math_equiv import is_equivalent
 from megarl.rewards.types import RewardFn, RewardSample
 
 _REGEX_FLAGS = {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL, "x": re.VERBOSE}
