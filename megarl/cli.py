@@ -36,7 +36,7 @@ def _add_convert(commands) -> None:
     )
     convert.add_argument("--from", dest="src_format", required=True, choices=["hf", "mcore"])
     convert.add_argument("--to", dest="dst_format", required=True, choices=["hf", "mcore"])
-    convert.add_argument("src", help="source folder")
+    convert.add_argument("src", help="source folder (--from hf: or a Hub model id, org/name[@revision])")
     convert.add_argument("dst", help="destination folder (must not exist unless --overwrite)")
     convert.add_argument("--tp", type=int, default=1, help="tensor-parallel size the checkpoint is written for")
     convert.add_argument("--pp", type=int, default=1, help="pipeline-parallel size the checkpoint is written for")
@@ -68,6 +68,9 @@ def _run_convert(args: argparse.Namespace) -> int:
     direction = (args.src_format, args.dst_format)
     if direction == ("hf", "mcore"):
         from converters.hf_to_mcore import convert_hf_to_mcore
+        from megarl.checkpoint.hub import resolve_model_path
+
+        args.src = resolve_model_path(args.src, "SRC")  # a Hub id: fetched into (or found in) the HF cache
 
         parallel = ParallelConfig(
             tp=args.tp,

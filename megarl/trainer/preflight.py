@@ -19,10 +19,13 @@ def load_model_config(config: JobConfig, off_machine: bool = False):
     """The HF config of the run's model: from model.path (a HF folder or megarl checkpoint), or model.init.config
     when the model is still to be built. off_machine (plan, --dry-run): model.path may live on the cluster only,
     and plan.model_config stands in for its config.json."""
+    from megarl.checkpoint.hub import is_hub_id, resolve_model_path
     from megarl.checkpoint.model_dir import hf_config_dir
     from megarl.models.hf_config import load_hf_config
 
     path = Path(config.model.path)
+    if is_hub_id(config.model.path) and config.model.init is None and not (off_machine and config.plan.model_config):
+        path = Path(resolve_model_path(config.model.path, "model.path", weights=False))  # config and tokenizer
     if path.exists():
         return load_hf_config(hf_config_dir(path))
     if off_machine and config.plan.model_config and config.model.init is None:

@@ -25,11 +25,13 @@ log = logging.getLogger("megarl")
 def train(config: JobConfig) -> int:
     """Run every stage of `config`; returns the exit code (0 done, 130 interrupted). A worker that dies or fails
     mid-run makes every role restart from the last checkpoint, up to run.max_restarts times."""
+    from megarl.checkpoint.hub import localize_model_paths
     from megarl.cluster.errors import WorkerError
     from megarl.config import config_hash, save_resolved
     from megarl.trainer.model_init import ensure_model
     from megarl.trainer.preflight import preflight
 
+    localize_model_paths(config)  # Hub ids: fetched into (or found in) the Hugging Face cache
     preflight(config)
     run_dir = Path(config.run.dir)
     checkpoints = RunCheckpoints(run_dir, config.checkpoint.keep)
