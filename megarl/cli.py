@@ -135,7 +135,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from megarl.trainer.run import dry_run, train
 
     if args.dry_run:  # like `megarl plan`, also where the data files exist only on the cluster
-        from megarl.plan.planner import load_for_planning
+        from megarl.plan.command import load_for_planning
 
         config, notes = load_for_planning(args.config, args.overrides)
         return dry_run(config, notes)

@@ -115,7 +115,7 @@ QWEN_LIKE_TEMPLATE = (
 
 
 def test_observations_carry_the_chat_templates_turn_delimiters():
-    from megarl.testing.tokenizer import build_char_tokenizer
+    from megarl.data.char_tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     tokenizer.chat_template = QWEN_LIKE_TEMPLATE

@@ -465,3 +465,25 @@ def test_overlong_penalty_goes_on_the_last_response_token():
     torch.testing.assert_close(shaped, expected)
     _, penalty = apply_overlong_penalty(rewards, mask, DapoConfig(overlong_buffer_len=2, max_response_len=4), 99)
     torch.testing.assert_close(penalty, torch.tensor([-0.5, -1.0, 0.0]))
+
+
+def test_dynamic_sampling_keeps_informative_groups_over_draws():
+    """trainer/dynamic_sampling.py, used by the synchronous and the asynchronous loop: groups whose scores all agree
+    are dropped, the rest renumbered across draws, and the batch is cut at num_groups."""
+    from megarl.data.batch import Batch
+    from megarl.trainer.dynamic_sampling import KeptGroups
+
+    def draw(scores, group_ids):
+        return Batch({"scores": torch.tensor(scores), "group_ids": torch.tensor(group_ids)})
+
+    kept = KeptGroups(num_groups=3)
+    assert not kept.add(draw([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], [0, 0, 1, 1, 2, 2]))  # groups 0 and 2 kept
+    assert kept.add(draw([0.0, 0.0, 1.0, 0.0, 0.5, 0.0], [0, 0, 1, 1, 2, 2]))  # 1 and 2 kept: 4 >= 3
+    batch, metrics = kept.result()
+    assert batch["scores"].tolist() == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    assert batch["group_ids"].tolist() == [0, 0, 1, 1, 2, 2]  # the fourth kept group is cut
+    assert metrics == {"dapo/kept_groups": 3.0, "dapo/draws": 2.0}
+    short = KeptGroups(num_groups=2)
+    assert not short.add(draw([1.0, 1.0], [0, 0]))
+    batch, metrics = short.result()
+    assert len(batch) == 0 and metrics == {"dapo/kept_groups": 0.0, "dapo/draws": 1.0}

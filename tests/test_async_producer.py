@@ -19,8 +19,9 @@ from megarl.data.prompts import PromptSample, PromptSampler
 from megarl.rollout.config import SamplingParams
 from megarl.rollout.engine import Completion, GenerateRequest, sample_seed
 from megarl.trainer.async_loop import staleness_metrics
+from megarl.trainer.dynamic_sampling import DynamicSampling
 from megarl.trainer.rollout_buffer import OLDEST_VERSION, RolloutBuffer
-from megarl.trainer.rollout_producer import DynamicSampling, RolloutProducer
+from megarl.trainer.rollout_producer import RolloutProducer
 from megarl.trainer.rollout_step import draw_key, request_seed
 
 NUM_PROMPTS = 4

@@ -9,11 +9,11 @@ import logging
 import pytest
 from tokenizers import processors
 
+from megarl.data.char_tokenizer import build_char_tokenizer
 from megarl.data.config import PromptDataConfig
 from megarl.data.prompts import PromptDataset, PromptSampler
 from megarl.data.sampler import EpochSampler, epoch_order
 from megarl.errors import UserError
-from megarl.testing.tokenizer import build_char_tokenizer
 
 # <s> is the char tokenizer's BOS (id 1), </s> its EOS (id 2); every other character is one token.
 CHAT_TEMPLATE = (

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
+from megarl.data.char_tokenizer import build_char_tokenizer
 from megarl.data.config import PairDataConfig, PromptDataConfig, SFTDataConfig
 from megarl.data.prompts import PromptDataset
 from megarl.data.records import ProblemLog, lookup, read_rows
 from megarl.errors import UserError
-from megarl.testing.tokenizer import build_char_tokenizer
 
 ROWS = [
     {"prompt": "1+1=?", "label": "2", "source": "a"},

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from megarl.data import PairDataConfig, PairDataset, SFTDataConfig, SFTDataset, prompt_tokens, response_tokens
+from megarl.data.char_tokenizer import build_char_tokenizer
 from megarl.errors import UserError
-from megarl.testing.tokenizer import build_char_tokenizer
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"

@@ -35,8 +35,8 @@ def test_custom_dataset_loads_through_the_job_config(tmp_path):
 
     from megarl.config import load_config
     from megarl.config.job import JobConfig
+    from megarl.data.char_tokenizer import build_char_tokenizer
     from megarl.data.prompts import PromptDataset
-    from megarl.testing.tokenizer import build_char_tokenizer
 
     path = write_dataset(tmp_path)
     config = load_config(JobConfig, REPO / "configs/quickstart.yaml", overrides(path))
@@ -45,11 +45,38 @@ def test_custom_dataset_loads_through_the_job_config(tmp_path):
     assert sample.text == "Q: What is 2 * 3? A:" and sample.label == "6" and sample.meta == {"problem.source": "drill"}
 
 
+def readme_quickstart_row() -> list[float]:
+    """The held-out accuracies of the README's quickstart table, first row (today's code): after SFT, GRPO 10..60."""
+    readme = (REPO / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| held-out accuracy (seed 1"))
+    return [float(cell.strip().strip("*")) for cell in row.strip("|").split("|")[1:]]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["quickstart", "quickstart_moe", "agent_quickstart"])
+def test_the_quickstart_gives_the_readmes_numbers(tmp_path):
+    """The README's first command, whole (`megarl train --config configs/quickstart.yaml`, from the repository
+    root): the held-out accuracy after SFT and every 10 GRPO steps is the README table's first row to the last
+    digit (the run is deterministic under constraints.txt's versions on this CPU), and nothing but megarl's own
+    lines (and the model build's progress bar) reaches the user's terminal: no third-party warning."""
+    from job_helpers import megarl_train
+
+    from megarl.trainer.metrics import read_metrics
+
+    run = tmp_path / "run"
+    out = megarl_train(REPO / "configs/quickstart.yaml", f"run.dir={run}", f"model.path={tmp_path / 'model'}")
+    evals = [round(r["eval/accuracy"], 3) for r in read_metrics(run) if "eval/accuracy" in r]
+    assert evals == readme_quickstart_row()
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    foreign = [line for line in lines if not line.startswith(("step ", "megarl: ", "Writing model shards"))]
+    assert foreign == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["quickstart_moe", "agent_quickstart"])
 def test_the_shipped_quickstart_config_runs_both_stages(tmp_path, name):
-    """configs/quickstart*.yaml as the README runs them (from the repository root), shortened: every stage, the model
-    build, evaluation and a checkpoint. Their full numbers are in the README, measured by hand (too long for CI)."""
+    """configs/quickstart_moe.yaml and agent_quickstart.yaml as the README runs them (from the repository root),
+    shortened: every stage, the model build, evaluation and a checkpoint. Their full numbers are in the README,
+    measured by hand (too long for CI)."""
     from job_helpers import megarl_train
 
     from megarl.trainer.metrics import read_metrics

@@ -144,7 +144,7 @@ def test_same_entry_command_as_slurm(rayjob):
 
 
 def test_workers_match_the_config(rayjob):
-    from megarl.plan.planner import load_for_planning
+    from megarl.plan.command import load_for_planning
 
     words = shlex.split(rayjob["spec"]["entrypoint"])
     config, _ = load_for_planning(REPO / words[words.index("--config") + 1].removeprefix(IMAGE_CHECKOUT))

@@ -170,7 +170,7 @@ def test_671b_on_half_the_nodes_without_offload_does_not_fit(capsys):
 
 def test_run_plan_reports_per_role():
     from megarl.plan import run_plan
-    from megarl.plan.planner import load_for_planning
+    from megarl.plan.command import load_for_planning
 
     config, _ = load_for_planning(DEEPSEEK_CONFIG)
     report = run_plan(config)
@@ -186,7 +186,8 @@ def test_colocated_roles_take_turns(tmp_path, monkeypatch):
     (frozen roles are not offloaded), as do three worker processes (actor, ref, engine) and the released engine; in
     the engine's turn the actor is offloaded: only the ref weights and the processes stay."""
     from megarl.plan import run_plan
-    from megarl.plan.planner import PROCESS_GB, RELEASED_ENGINE_GB, load_for_planning
+    from megarl.plan.command import load_for_planning
+    from megarl.plan.planner import PROCESS_GB, RELEASED_ENGINE_GB
 
     config, _ = load_for_planning(REPO / "configs" / "grpo_qwen2.5_7b_gsm8k.yaml")
     report = run_plan(config)

@@ -10,7 +10,7 @@ import pytest
 from megarl.config.job import JobConfig
 from megarl.config.loader import load_config
 from megarl.plan import run_plan
-from megarl.plan.planner import load_for_planning
+from megarl.plan.command import load_for_planning
 
 CONFIGS = sorted(
     p for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml") if "quickstart" not in p.stem

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from job_helpers import interrupt_after, megarl_train, metrics, write_config
+from job_helpers import FIXTURES, interrupt_after, megarl_train, metrics, write_config
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,21 @@ def test_ppo_trains_a_critic(tmp_path):
     assert len(steps) == 6
     assert all("critic/vf_loss" in s and "actor/pg_loss" in s for s in steps)
     assert sum(s["reward/mean"] for s in steps[-2:]) / 2 > steps[0]["reward/mean"] + 0.1
+
+
+@pytest.mark.slow
+def test_dapo_dynamic_sampling_fills_each_batch_with_informative_groups(tmp_path):
+    """The synchronous loop with algorithm.dapo.dynamic_sampling (trainer/dynamic_sampling.py): a step draws again
+    until rl.prompts_per_step groups whose rewards differ are kept (at most max_sampling_rounds draws), and only
+    those are trained on."""
+    extra = "algorithm: {dapo: {dynamic_sampling: true, max_sampling_rounds: 3}}"
+    reward = f"reward.fn={FIXTURES / 'digit_reward.py'}:starts_with_digit"  # binary: groups often all-0
+    megarl_train(write_config(tmp_path, "[grpo]", 3, extra), "rl.prompts_per_step=4", reward)
+    steps = metrics(tmp_path / "run")
+    assert len(steps) == 3
+    assert any(step["dapo/draws"] > 1 for step in steps), steps  # some groups were dropped and drawn again
+    for step in steps:
+        assert step["dapo/kept_groups"] == 4.0 or step["dapo/draws"] == 3.0, step
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ unreachable GCS address retries for minutes before failing.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -136,6 +137,7 @@ def _start_local(config: ClusterConfig) -> None:
     object_store = config.object_store_memory_mb * 2**20 if config.object_store_memory_mb else None
     ray.init(
         address="local",  # never join an instance named by RAY_ADDRESS: None means "start one"
+        logging_level=logging.WARNING,  # not "Started a local Ray instance": megarl says what it starts
         num_cpus=num_cpus,
         num_gpus=num_gpus,
         object_store_memory=object_store,

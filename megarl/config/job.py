@@ -55,7 +55,7 @@ class ModelInit:
     config: str = ""
     """A HF config.json (e.g. configs/models/quickstart.json) to build a randomly initialized model from."""
     tokenizer: Literal["char"] = "char"
-    """The tokenizer to build: char = one token per printable ASCII character (megarl.testing.tokenizer)."""
+    """The tokenizer to build: char = one token per printable ASCII character (megarl.data.char_tokenizer)."""
     seed: int = 0
     """Initialization seed."""
 

@@ -8,6 +8,32 @@ from typing import Literal
 
 from megarl.errors import UserError
 
+MANAGED_ARGS = {
+    "model_path": "the rollout model",
+    "host": "the engine's address",
+    "port": "the engine's address",
+    "base_gpu_id": "the engine's GPUs",
+    "gpu_id_step": "the engine's GPUs",
+    "tp_size": "tp",
+    "attn_dp_size": "dp with enable_dp_attention",
+    "dp_size": "dp with enable_dp_attention",
+    "enable_dp_attention": "enable_dp_attention",
+    "ep_size": "ep",
+    "mem_fraction_static": "mem_fraction_static",
+    "dtype": "dtype",
+    "trust_remote_code": "trust_remote_code",
+    "random_seed": "random_seed",
+    "enable_deterministic_inference": "deterministic",
+    "enable_memory_saver": "enable_memory_saver",
+    "skip_server_warmup": "skip_server_warmup",
+    "load_format": "the rollout model (dummy when it has no weight files: the first sync loads them)",
+    "context_length": "context_length",
+    "nnodes": "the engine's nodes",
+    "node_rank": "the engine's nodes",
+    "dist_init_addr": "the engine's nodes",
+}
+"""ServerArgs names the engine sets from its own settings (SGLang's name -> the setting that controls it)."""
+
 
 @dataclass
 class SamplingParams:
@@ -139,8 +165,6 @@ class SGLangEngineConfig:
 
     def check(self, key: str) -> None:
         import warnings
-
-        from megarl.rollout.sglang_server import MANAGED_ARGS
 
         def divisors(n: int) -> str:
             return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megarl.rollout.config import SGLangEngineConfig
+from megarl.rollout.config import MANAGED_ARGS, SGLangEngineConfig
 from megarl.rollout.sglang_client import SGLangClient, SGLangError
 
 __all__ = [
@@ -41,31 +41,6 @@ __all__ = [
     "url_of",
 ]
 
-MANAGED_ARGS = {
-    "model_path": "the rollout model",
-    "host": "the engine's address",
-    "port": "the engine's address",
-    "base_gpu_id": "the engine's GPUs",
-    "gpu_id_step": "the engine's GPUs",
-    "tp_size": "tp",
-    "attn_dp_size": "dp with enable_dp_attention",
-    "dp_size": "dp with enable_dp_attention",
-    "enable_dp_attention": "enable_dp_attention",
-    "ep_size": "ep",
-    "mem_fraction_static": "mem_fraction_static",
-    "dtype": "dtype",
-    "trust_remote_code": "trust_remote_code",
-    "random_seed": "random_seed",
-    "enable_deterministic_inference": "deterministic",
-    "enable_memory_saver": "enable_memory_saver",
-    "skip_server_warmup": "skip_server_warmup",
-    "load_format": "the rollout model (dummy when it has no weight files: the first sync loads them)",
-    "context_length": "context_length",
-    "nnodes": "the engine's nodes",
-    "node_rank": "the engine's nodes",
-    "dist_init_addr": "the engine's nodes",
-}
-"""ServerArgs names the engine sets from its own settings (SGLang's name -> the setting that controls it)."""
 
 ENV_REMOVED = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
 """Environment variables never passed to the server: SGLANG_RETURN_ORIGINAL_LOGPROB would make SGLang return

@@ -5,6 +5,7 @@ Megatron-Core warns at import time, so this runs before it is imported: at CLI s
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 _EXPECTED = (
@@ -20,6 +21,25 @@ _EXPECTED = (
 )
 
 
+_EXPECTED_LOG_LINES = {
+    # Ray 2.5x on every local start while RAY_AUTH_MODE is unset: its default (token authentication) is on, which is
+    # what megarl wants; setting the mode explicitly before `ray.init` is not read by an already imported Ray.
+    "ray._private.authentication.authentication_token_setup": "Token authentication is enabled",
+}
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
 def silence_expected_warnings() -> None:
     for pattern in _EXPECTED:
         warnings.filterwarnings("ignore", message=pattern)
+    for logger, prefix in _EXPECTED_LOG_LINES.items():
+        if not any(isinstance(f, _DropMessage) for f in logging.getLogger(logger).filters):
+            logging.getLogger(logger).addFilter(_DropMessage(prefix))

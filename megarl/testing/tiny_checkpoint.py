@@ -35,7 +35,7 @@ def make_hf_checkpoint(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megarl.testing.tokenizer import build_char_tokenizer
+    from megarl.data.char_tokenizer import build_char_tokenizer
 
     raw = dict(tiny_config(config) if isinstance(config, str) else config)
     hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)

@@ -35,10 +35,11 @@ from megarl.data.batch import Batch
 from megarl.data.prompts import PromptSampler
 from megarl.rewards.runner import RewardRunner
 from megarl.trainer import rl_steps
+from megarl.trainer.dynamic_sampling import DynamicSampling
 from megarl.trainer.engine_sync import WeightSync
 from megarl.trainer.roles import Roles
 from megarl.trainer.rollout_buffer import OLDEST_VERSION, RolloutBuffer, TakenBatch
-from megarl.trainer.rollout_producer import AgentEpisodes, DynamicSampling, EngineGroup, RolloutProducer
+from megarl.trainer.rollout_producer import AgentEpisodes, EngineGroup, RolloutProducer
 from megarl.trainer.routing import routing_plan
 from megarl.trainer.run_checkpoint import TrainerState
 from megarl.trainer.steps import Steps

@@ -29,7 +29,7 @@ def build_model_folder(init: ModelInit, out_dir: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from megarl.testing.tokenizer import build_char_tokenizer
+    from megarl.data.char_tokenizer import build_char_tokenizer
 
     config_path = Path(init.config)
     try:

@@ -143,7 +143,7 @@ def _check_memory(config: JobConfig) -> None:
     """The planner's verdict (megarl plan) for GPU runs: refuse a job that will not fit before any GPU is taken."""
     if not plans_memory(config):
         return
-    from megarl.plan import run_plan
+    from megarl.plan.planner import run_plan
 
     report = run_plan(config)
     if not report.fits:

@@ -5,7 +5,6 @@ Every blocking call is visible here; the arithmetic is in megarl/algorithms, the
 
 from __future__ import annotations
 
-from megarl.algorithms.dapo import keep_groups
 from megarl.algorithms.losses import PolicyLoss, ValueLoss
 from megarl.config.job import JobConfig
 from megarl.data.batch import Batch
@@ -13,6 +12,7 @@ from megarl.data.prompts import PromptSampler
 from megarl.rewards.runner import RewardRunner
 from megarl.trainer import rl_steps
 from megarl.trainer.agent_rollout import Generator, rollout_generator
+from megarl.trainer.dynamic_sampling import KeptGroups
 from megarl.trainer.engine_sync import WeightSync
 from megarl.trainer.handover import Handover
 from megarl.trainer.roles import Roles
@@ -71,13 +71,13 @@ def _rollouts(
     steps: Steps,
     handover: Handover,
 ) -> tuple[Batch, dict[str, float], int]:
-    """A scored rollout batch of rl.prompts_per_step prompt groups. With DAPO dynamic sampling, groups whose
-    completions all scored the same carry no signal: they are dropped and more prompts are drawn, up to
-    algorithm.dapo.max_sampling_rounds rounds (a short batch is used as it is after that)."""
+    """A scored rollout batch of rl.prompts_per_step prompt groups (with DAPO dynamic sampling: up to
+    algorithm.dapo.max_sampling_rounds draws, see trainer/dynamic_sampling.py)."""
     algorithm, sampling = config.algorithm, config.rollout.sampling
     dapo, rm_coef = algorithm.dapo, config.reward_model.coef
-    parts, metrics, num_tokens, num_groups = [], {}, 0, 0
-    for draw in range(dapo.max_sampling_rounds if dapo.dynamic_sampling else 1):
+    kept = KeptGroups(config.rl.prompts_per_step) if dapo.dynamic_sampling else None
+    metrics, num_tokens = {}, 0
+    for draw in range(dapo.max_sampling_rounds if kept else 1):
         with steps.phase("rollout"):
             handover.to_rollout()  # a no-op unless the roles took the GPUs back (e.g. for a checkpoint)
             seed_step = draw_key(steps.state.global_step, draw)  # every draw of every step gets its own seeds
@@ -89,15 +89,9 @@ def _rollouts(
         num_tokens += rollout.num_tokens
         if draw == 0:
             metrics = rollout_metrics(batch) | reward_metrics | rollout.metrics
-        if not dapo.dynamic_sampling:
+        if kept is None:
             return batch, metrics, num_tokens
-        keep, kept = keep_groups(batch["scores"], batch["group_ids"])
-        batch = batch.select(keep.nonzero().squeeze(1))
-        parts.append(batch.with_tensors(group_ids=rl_steps.renumber_groups(batch["group_ids"], num_groups)))
-        num_groups += kept
-        if num_groups >= config.rl.prompts_per_step:
+        if kept.add(batch):
             break
-    batch = Batch.concat(parts)
-    batch = batch.select((batch["group_ids"] < config.rl.prompts_per_step).nonzero().squeeze(1))
-    metrics.update({"dapo/kept_groups": float(min(num_groups, config.rl.prompts_per_step)), "dapo/draws": draw + 1.0})
-    return batch, metrics, num_tokens
+    batch, dapo_metrics = kept.result()
+    return batch, metrics | dapo_metrics, num_tokens

@@ -225,12 +225,6 @@ def average(metrics: list[dict[str, float]]) -> dict[str, float]:
     return {name: sum(m[name] for m in metrics if name in m) / sum(name in m for m in metrics) for name in names}
 
 
-def renumber_groups(group_ids: torch.Tensor, offset: int) -> torch.Tensor:
-    """Group ids 0.. in order of appearance, shifted by `offset` (kept groups of several draws stay distinct)."""
-    _, inverse = torch.unique_consecutive(group_ids, return_inverse=True)
-    return inverse + offset
-
-
 def update(
     config,
     roles,

@@ -33,13 +33,12 @@ from typing import Any, Literal, Protocol, TypeVar
 from megarl.agents.config import AgentConfig
 from megarl.agents.environment import Environment
 from megarl.agents.episodes import run_episodes
-from megarl.algorithms.dapo import keep_groups
 from megarl.data.batch import Batch
 from megarl.data.prompts import PromptSample, PromptSampler
 from megarl.rollout.config import SamplingParams
 from megarl.rollout.engine import Completion, GenerateRequest, sample_seed
 from megarl.trainer.agent_rollout import collate_episodes
-from megarl.trainer.rl_steps import renumber_groups
+from megarl.trainer.dynamic_sampling import DynamicSampling, KeptGroups
 from megarl.trainer.rollout_buffer import OLDEST_VERSION, BufferClosed, RolloutBuffer, ScoredBatch, TakenBatch
 from megarl.trainer.rollout_step import (
     RolloutResult,
@@ -82,15 +81,6 @@ class EngineGroup:
 
     def abort(self) -> None:
         self.group.call("abort", timeout_s=60)
-
-
-@dataclass
-class DynamicSampling:
-    """DAPO dynamic sampling: drop groups whose completions all scored the same, draw again, up to `max_rounds`."""
-
-    max_rounds: int
-    num_groups: int
-    """Groups a full batch has (rl.prompts_per_step)."""
 
 
 class RolloutProducer:
@@ -260,7 +250,8 @@ class RolloutProducer:
     def _produce(self, number: int) -> ScoredBatch:
         """One scored batch (with DAPO dynamic sampling: up to max_rounds draws of prompts, all-equal groups out)."""
         dynamic = self.dynamic_sampling
-        parts, metrics, num_tokens, num_groups = [], {}, 0, 0
+        kept = KeptGroups(dynamic.num_groups) if dynamic else None
+        metrics, num_tokens = {}, 0
         generate_s = reward_s = 0.0
         num_interrupted = 0
         for draw in range(dynamic.max_rounds if dynamic else 1):
@@ -277,18 +268,11 @@ class RolloutProducer:
             num_interrupted += interrupted
             if draw == 0:
                 metrics = rollout_metrics(batch) | reward_metrics | result.metrics
-            if dynamic is None:
+            if kept is None or kept.add(batch):
                 break
-            keep, kept = keep_groups(batch["scores"], batch["group_ids"])
-            batch = batch.select(keep.nonzero().squeeze(1))
-            parts.append(batch.with_tensors(group_ids=renumber_groups(batch["group_ids"], num_groups)))
-            num_groups += kept
-            if num_groups >= dynamic.num_groups:
-                break
-        if dynamic is not None:
-            batch = Batch.concat(parts)
-            batch = batch.select((batch["group_ids"] < dynamic.num_groups).nonzero().squeeze(1))
-            metrics |= {"dapo/kept_groups": float(min(num_groups, dynamic.num_groups)), "dapo/draws": draw + 1.0}
+        if kept is not None:
+            batch, dapo_metrics = kept.result()
+            metrics |= dapo_metrics
         metrics |= {
             "async/generate_s": generate_s,
             "async/reward_s": reward_s,

@@ -7,3 +7,8 @@ def digit_fraction(samples):
         text = sample.response
         out.append({"score": sum(c.isdigit() for c in text) / max(len(text), 1), "acc": float(text[:1].isdigit())})
     return out
+
+
+def starts_with_digit(samples):
+    """1 when the response starts with a digit, else 0: a binary reward, so that whole groups often score alike."""
+    return [float(sample.response[:1].isdigit()) for sample in samples]
