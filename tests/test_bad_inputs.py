@@ -109,6 +109,25 @@ CASES = [
         ],
         ["rollout.gpus_per_engine=3 spans nodes of cluster.gpus_per_node=2", "use a multiple of 2"],
     ),
+    # -- numbers no key accepts --------------------------------------------------------------------------------------
+    Case("nan learning rate", [*TRAIN, "actor.optim.lr=.nan"], ["actor.optim.lr=nan is not a finite number"]),
+    Case("nan temperature", [*TRAIN, "rollout.sampling.temperature=.nan"], ["temperature=nan is not a finite"]),
+    Case("nan memory budget", [*TRAIN, "plan.gpu_memory_gb=.nan"], ["plan.gpu_memory_gb=nan is not a finite"]),
+    Case(
+        "infinite learning rate", TRAIN, ["actor.optim.lr=inf is not a finite"], config="actor: {optim: {lr: .inf}}\n"
+    ),
+    Case(
+        "seed beyond 64 bits",
+        [*TRAIN, "run.seed=18446744073709551616"],
+        ["run.seed=18446744073709551616 does not fit in a 64-bit integer"],
+    ),
+    Case("negative budget", [*TRAIN, "plan.host_memory_gb=-1"], ["plan.host_memory_gb=-1.0 is negative", "0 or more"]),
+    Case(
+        "negative token budget",
+        TRAIN,
+        ["actor.micro_batch.max_tokens=-8 is negative"],
+        config="actor: {micro_batch: {max_tokens: -8}}\n",
+    ),
     # -- the model -----------------------------------------------------------------------------------------------
     Case("model path missing", [*TRAIN, "model.path={dir}/nomodel"], ["model.path=", "nomodel", "does not exist"]),
     Case(
@@ -118,6 +137,19 @@ CASES = [
         prepare="gpt2",
     ),
     Case("truncated safetensors", TRAIN, ["model.safetensors", "truncated or corrupted"], prepare="truncate"),
+    Case(
+        "safetensors entry without offsets",
+        TRAIN,
+        ["model.safetensors is not a valid safetensors file: tensor", "has no data_offsets"],
+        prepare="no_offsets",
+    ),
+    Case(
+        "weights that do not fit config.json",
+        TRAIN,
+        ["model.safetensors: tensor model.layers.0.mlp.down_proj.weight has shape [64, 128]", "gives [64, 256]"],
+        prepare="wrong_shape",
+    ),
+    Case("megatron checkpoint missing a shard", TRAIN, ["__0_0.distcp is missing", "incomplete"], prepare="lost_shard"),
     # -- data ----------------------------------------------------------------------------------------------------
     Case(
         "data file missing",
@@ -130,6 +162,12 @@ CASES = [
         ["p.csv", "unknown file type", ".jsonl, .json, .parquet"],
         files={"p.csv": "a\n"},
     ),
+    Case(
+        "data file missing, relative path",
+        [*TRAIN, "data.train_files=[gone/p.jsonl]"],
+        ["data.train_files[0]='gone/p.jsonl' does not exist (looked at", "gone/p.jsonl: relative paths are read"],
+    ),
+    Case("empty data file", TRAIN, ["prompts.jsonl'", "holds no rows (an empty file)"], prepare="empty"),
     Case("invalid json row", TRAIN, ["prompts.jsonl:3", "JSON"], prepare="bad_json"),
     Case("row missing prompt", TRAIN, ["prompts.jsonl:2", "'prompt'"], prepare="no_prompt"),
     Case("prompt is a number", TRAIN, ["prompts.jsonl:1", "'prompt' is a number"], prepare="number_prompt"),
@@ -153,6 +191,12 @@ CASES = [
     ),
     Case(
         "unreadable trainer state", TRAIN, ["trainer_state.json is not a readable trainer state"], prepare="bad_state"
+    ),
+    Case(
+        "run folder is a file",
+        [*TRAIN, "run.dir={dir}/afile"],
+        ["run.dir=", "afile' is an existing file, not a folder"],
+        files={"afile": "notes\n"},
     ),
     # -- the other commands --------------------------------------------------------------------------------------
     Case(
@@ -215,19 +259,34 @@ def prepare(case: Case, folder: Path, model: Path) -> None:
         "bad_json": '{"prompt": "a", "label": "1"}\n{"prompt": "b", "label": "2"}\n{"prompt": "c", \n',
         "no_prompt": '{"prompt": "a", "label": "1"}\n{"question": "b", "label": "2"}\n',
         "number_prompt": '{"prompt": 42, "label": "1"}\n',
+        "empty": "",
     }
     if case.prepare in rows:
         prompts.write_text(rows[case.prepare])
-    if case.prepare in ("gpt2", "truncate"):
+    if case.prepare in ("gpt2", "truncate", "no_offsets", "wrong_shape"):
         copy = folder / "model"
         shutil.copytree(model, copy)
         (folder / "base.yaml").write_text((folder / "base.yaml").read_text().replace(str(model), str(copy)))
+        config = json.loads((copy / "config.json").read_text())
         if case.prepare == "gpt2":
-            config = json.loads((copy / "config.json").read_text())
             (copy / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+        elif case.prepare == "wrong_shape":  # the weights of another model size
+            (copy / "config.json").write_text(
+                json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]})
+            )
+        elif case.prepare == "no_offsets":
+            _drop_first_offsets(copy / "model.safetensors")
         else:
             data = (copy / "model.safetensors").read_bytes()
             (copy / "model.safetensors").write_bytes(data[: len(data) // 2])
+    if case.prepare == "lost_shard":
+        from converters.hf_to_mcore import convert_hf_to_mcore
+        from megarl.runtime.parallel import ParallelConfig
+
+        converted = folder / "mcore"
+        convert_hf_to_mcore(model, converted, ParallelConfig(), None, 128, False, False)
+        (converted / "model" / "__0_0.distcp").unlink()
+        (folder / "base.yaml").write_text((folder / "base.yaml").read_text().replace(str(model), str(converted)))
     checkpoints = folder / "run" / "checkpoints"
     if case.prepare in ("checkpoint", "bad_state"):
         (checkpoints / "step_1").mkdir(parents=True)
@@ -237,6 +296,19 @@ def prepare(case: Case, folder: Path, model: Path) -> None:
     if case.prepare == "dangling_latest":
         checkpoints.mkdir(parents=True)
         (checkpoints / "latest").write_text("step_9\n")
+
+
+def _drop_first_offsets(path: Path) -> None:
+    """Rewrite a safetensors file's header without the data_offsets of its first tensor (same data)."""
+    import struct
+
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    first = next(name for name in header if name != "__metadata__")
+    del header[first]["data_offsets"]
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + length :])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -271,3 +343,57 @@ def test_debug_shows_the_traceback(tmp_path):
 
 def test_the_catalogue_has_at_least_30_cases():
     assert len(CASES) >= 30
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder on a file system mounted read-only (a tmpfs; needs root and mount rights, else skipped)."""
+    import subprocess
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode().strip()[:200]}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_read_only_destinations_are_refused_before_any_work(read_only_folder, tmp_path, hf_checkpoint, capsys):
+    model = hf_checkpoint("tiny-qwen3")
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    (tmp_path / "job.yaml").write_text(BASE.format(dir=tmp_path, model=model))
+    capsys.readouterr()  # the fixture's model build
+    assert main(["train", "--config", str(tmp_path / "job.yaml"), f"run.dir={read_only_folder}/run"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"megarl: error: run.dir='{read_only_folder}/run' cannot be written: {read_only_folder} is read-only (a "
+        "read-only file system or no write permission); give a folder on a writable file system"
+    )
+    assert main(["convert", "--from", "hf", "--to", "mcore", str(model), f"{read_only_folder}/out"]) == 2
+    assert "cannot be written: " in capsys.readouterr().err
+
+
+def test_resume_skips_a_checkpoint_that_lost_a_shard(tmp_path, caplog):
+    """The newest checkpoint lost a `.distcp` shard (a disk problem, a partial copy): resuming takes the newest
+    intact one and says which it skipped and why; with none intact, one error says so."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megarl.errors import UserError
+    from megarl.trainer.run_checkpoint import RunCheckpoints
+
+    checkpoints = RunCheckpoints(tmp_path / "run", keep=0)
+    for step in (1, 2):
+        folder = checkpoints.root / f"step_{step}"
+        dcp.save({"w": torch.full((4,), float(step))}, checkpoint_id=folder / "actor" / "model", no_dist=True)
+        (folder / "trainer_state.json").write_text(json.dumps({"step": step, "global_step": step}))
+    (checkpoints.root / "latest").write_text("step_2\n")
+    assert checkpoints.latest() == checkpoints.root / "step_2"
+    lost = next((checkpoints.root / "step_2" / "actor" / "model").glob("*.distcp"))
+    lost.unlink()
+    with caplog.at_level("WARNING", logger="megarl"):
+        assert checkpoints.latest() == checkpoints.root / "step_1"
+    assert f"checkpoint step_2 is damaged, not resuming from it: {lost} is missing" in caplog.text
+    next((checkpoints.root / "step_1" / "actor" / "model").glob("*.distcp")).write_bytes(b"")  # truncated
+    with pytest.raises(UserError, match=r"no intact checkpoint in .* \(the newest, step_2, and every older one"):
+        checkpoints.latest()

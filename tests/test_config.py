@@ -231,7 +231,10 @@ def test_extends_diamond_is_not_a_cycle(tmp_path):
 
 
 def test_checks_run_with_key_paths(tmp_path):
-    with pytest.raises(UserError, match=r": critic\.optim\.warmup_steps=-1 must be >= 0$"):
+    # an amount (the schema's own rule, before the dataclass's check)
+    with pytest.raises(
+        UserError, match=r": critic\.optim\.warmup_steps=-1 is negative; it is an amount: give 0 or more$"
+    ):
         load_config(JobToy, overrides=["critic={optim: {warmup_steps: -1}}"])
     with pytest.raises(UserError, match=r"}': actor\.parallel\.sequence_parallel=true needs actor\.parallel\.tp > 1$"):
         load_config(JobToy, overrides=["actor.parallel={sequence_parallel: true}"])
@@ -239,7 +242,7 @@ def test_checks_run_with_key_paths(tmp_path):
     with pytest.raises(UserError, match=r"^override 'critic.micro_batch_size=2': critic\.micro_batch_size=2 exceeds "):
         load_config(JobToy, overrides=["critic.micro_batch_size=2"])
     path = write(tmp_path, "run.yaml", "seed: 1\ncritic:\n  optim:\n    warmup_steps: -2\n")
-    with pytest.raises(UserError, match=r"run\.yaml:4: critic\.optim\.warmup_steps=-2 must be >= 0$"):
+    with pytest.raises(UserError, match=r"run\.yaml:4: critic\.optim\.warmup_steps=-2 is negative"):
         load_config(JobToy, path)
 
 

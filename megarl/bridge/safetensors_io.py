@@ -70,6 +70,8 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
     except (OSError, ValueError, struct.error) as err:
         raise UserError(f"{path} is not a valid safetensors file ({err}): is it truncated or corrupted?") from err
     header.pop("__metadata__", None)
+    for name, entry in header.items():
+        _check_entry(path, name, entry)
     data_end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
     if 8 + header_len + data_end != size:
         raise UserError(
@@ -77,6 +79,28 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
             f"file has {size}: is it truncated or corrupted?"
         )
     return header, 8 + header_len
+
+
+def _check_entry(path: Path, name: str, entry: object) -> None:
+    """A header entry has a dtype, a shape of sizes and data offsets that span exactly that many bytes."""
+    problem = None
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+        missing = sorted({"dtype", "shape", "data_offsets"} - set(entry if isinstance(entry, dict) else ()))
+        problem = f"has no {', '.join(missing)}"
+    else:
+        shape, offsets = entry["shape"], entry["data_offsets"]
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            problem = f"has shape {shape!r}: expected a list of sizes"
+        elif not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            problem = f"has data_offsets {offsets!r}: expected [start, end]"
+        elif not 0 <= offsets[0] <= offsets[1]:
+            problem = f"has data_offsets {offsets!r}: the end is before the start"
+        elif entry["dtype"] in DTYPES_BY_CODE:
+            expected = TensorSpec(name, DTYPES_BY_CODE[entry["dtype"]], tuple(shape)).nbytes
+            if offsets[1] - offsets[0] != expected:
+                problem = f"spans {offsets[1] - offsets[0]} bytes but {entry['dtype']} {shape} needs {expected}"
+    if problem is not None:
+        raise UserError(f"{path} is not a valid safetensors file: tensor {name} {problem}: is it corrupted?")
 
 
 class HFCheckpoint:
@@ -156,6 +180,10 @@ class HFCheckpoint:
 
     def spec(self, name: str) -> TensorSpec:
         return self._specs[name]
+
+    def file_of(self, name: str) -> str:
+        """The file (in the folder) that stores `name`."""
+        return self._file_of[name]
 
     def __contains__(self, name: str) -> bool:
         return name in self._specs

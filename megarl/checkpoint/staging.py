@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megarl.errors import UserError
+from megarl.runtime.folders import check_writable_folder
 
 
 def check_destination(dst: str | Path, overwrite: bool, sources: tuple[str | Path, ...] = ()) -> Path:
@@ -23,6 +24,7 @@ def check_destination(dst: str | Path, overwrite: bool, sources: tuple[str | Pat
         raise UserError(f"{dst} exists and is not a folder; remove it or choose another destination")
     if not dst.parent.is_dir():
         raise UserError(f"{dst.parent} does not exist: create it first, or choose another destination")
+    check_writable_folder(dst.parent, "the destination's folder")  # the staged copy is written beside dst
     for src in sources:
         src = Path(src).resolve()
         if dst == src or src in dst.parents or dst in src.parents:

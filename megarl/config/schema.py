@@ -8,6 +8,11 @@ left alone in raw data and checked once resolved.
 
 Accepted annotations: int, float, str, bool, pathlib.Path, Enum, Literal[...], nested dataclasses, list[X],
 tuple[X, ...], dict[str, X], unions of these (`X | None` among them), Any.
+
+Numbers are checked for what no key accepts: a float must be finite (a NaN learning rate trains nothing and fails
+nowhere), an integer must fit in 64 bits (seeds and sizes reach torch and numpy as int64), and a key whose name says
+it is an amount (`num_*`, `max_*`, `*_gb`, `*_mb`, `*_bytes`, `*_s`, `*_tokens`, `*_steps`, `*_every`, ...) must
+not be negative.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -122,6 +129,24 @@ def _unknown_key(key: str, name: object, valid: list[str]) -> ConfigKeyError:
     return ConfigKeyError(full, f"{full} is not a config key; {hint}{under}: {describe_valid(valid)}")
 
 
+INT64 = (-(2**63), 2**63 - 1)
+AMOUNT_RE = re.compile(
+    r"^(num|max|min)_\w+$|_(gb|mb|bytes|s|seconds|tokens|steps|every|len|rounds|restarts|workers|threads|turns|chars)$"
+)
+"""Key names of amounts: a count, a size, a duration, a cadence (never negative)."""
+
+
+def _checked_number(value: int | float, key: str) -> int | float:
+    """`value` if a key may hold it (see the module docstring), else a ConfigKeyError naming the key."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigKeyError(key, f"{key}={value} is not a finite number; give a real value")
+    if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+        raise ConfigKeyError(key, f"{key}={value} does not fit in a 64-bit integer (at most {INT64[1]})")
+    if value < 0 and AMOUNT_RE.search(key.rsplit(".", 1)[-1].split("[", 1)[0]):
+        raise ConfigKeyError(key, f"{key}={value} is negative; it is an amount: give 0 or more")
+    return value
+
+
 def _scalar(tp: Any, value: Any, key: str) -> Any:
     """The value converted to annotation `tp` (a leaf type), or a type error."""
     if tp is Any or tp is object:
@@ -131,10 +156,10 @@ def _scalar(tp: Any, value: Any, key: str) -> Any:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return _checked_number(value, key)
     elif tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            return _checked_number(float(value), key)
     elif tp is str:
         # Numbers are accepted for strings (a revision "1234", a dtype "16"); YAML typed them, the user did not.
         if isinstance(value, str) or (isinstance(value, int | float) and not isinstance(value, bool)):

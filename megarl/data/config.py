@@ -29,7 +29,12 @@ def check_data_files(files: list[str], key: str) -> None:
         elif os.path.isdir(path):
             problems.append(f"{name} is a directory; list the data files in it instead")
         elif not os.path.exists(path):
-            problems.append(f"{name} does not exist")
+            where = (
+                ""
+                if os.path.isabs(path)
+                else f" (looked at {os.path.abspath(path)}: relative paths are read from the working directory)"
+            )
+            problems.append(f"{name} does not exist{where}")
     if problems:
         raise UserError("; ".join(problems))
 

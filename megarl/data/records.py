@@ -68,9 +68,14 @@ def read_rows(paths: Sequence[str], key: str, columns: Sequence[str], problems: 
     """The rows of all files in order; rows that are not JSON objects are logged in `problems` and skipped.
     `columns` are the (possibly dotted) keys the caller needs: Parquet reads only their top-level columns."""
     check_data_files(list(paths), key)
-    for path in paths:
+    for index, path in enumerate(paths):
         reader = _READERS[next(suffix for suffix in DATA_FILE_SUFFIXES if path.endswith(suffix))]
-        yield from reader(path, columns, problems)
+        num_rows, problems_before = 0, problems.num_problems
+        for row in reader(path, columns, problems):
+            num_rows += 1
+            yield row
+        if num_rows == 0 and problems.num_problems == problems_before:
+            problems.add(f"{key}[{index}]={path!r}", "holds no rows (an empty file); give a file with data")
 
 
 def _read_jsonl(path: str, columns: Sequence[str], problems: ProblemLog) -> Iterator[Row]:

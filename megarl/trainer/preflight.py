@@ -61,16 +61,36 @@ def used_roles(config: JobConfig) -> dict[str, RoleConfig]:
     return roles
 
 
+def check_model_files(path: str, hf_config) -> None:
+    """The starting weights are intact before anything is built from them (megarl/checkpoint/verify.py): a megarl
+    checkpoint's every shard, a HF folder's safetensors headers and its shapes against config.json."""
+    from megarl.checkpoint.model_dir import is_megarl_checkpoint
+    from megarl.checkpoint.verify import check_hf_weights, check_megarl_checkpoint
+
+    folder = Path(path)
+    if not folder.is_dir():
+        return  # a model.init to build: nothing stored yet
+    if is_megarl_checkpoint(folder):
+        check_megarl_checkpoint(folder)
+    elif any(folder.glob("*.safetensors")):
+        check_hf_weights(folder, hf_config)
+
+
 def preflight(config: JobConfig, check_memory: bool = True, off_machine: bool = False) -> None:
     """Every check train makes before Ray starts; `megarl plan` and `--dry-run` run it too (off_machine: the model
     files may be on the cluster only, see load_model_config)."""
     from megarl.models.layout import check_parallel_layout
     from megarl.models.registry import get_architecture
     from megarl.rollout.weights_format import rollout_quantization
+    from megarl.runtime.folders import check_writable_folder
 
+    if not off_machine:  # the run folder: on this machine (a plan may be made elsewhere)
+        check_writable_folder(config.run.dir, "run.dir")
     hf_config = load_model_config(config, off_machine)
     arch = get_architecture(hf_config.model_type)
     arch.check_supported(hf_config)
+    if not off_machine:
+        check_model_files(config.model.path, hf_config)
     if config.rl_stages and config.rollout.backend == "sglang":
         arch.check_sglang_supported(hf_config)
     gpus = config.placement.train_gpus

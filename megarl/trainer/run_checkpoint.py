@@ -20,6 +20,7 @@ tensors) is captured at load time (checkpoint/carried.py), the trainer state is 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -27,12 +28,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megarl.checkpoint.verify import check_megarl_checkpoint
 from megarl.errors import UserError
 from megarl.runtime import faults
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+log = logging.getLogger("megarl")
 
 
 @dataclass
@@ -82,7 +85,22 @@ class RunCheckpoints:
                 f"{pointer} names {folder.name}, which is not a complete checkpoint (no {STATE_FILE}); "
                 f"point it at another step folder in {self.root} or remove it to start afresh"
             )
-        return folder
+        steps = {int(m[1]): f for f in self.root.iterdir() if (m := _STEP_DIR.match(f.name)) and f.is_dir()}
+        newest = int(_STEP_DIR.match(folder.name)[1]) if _STEP_DIR.match(folder.name) else None
+        older = [steps[n] for n in sorted(steps, reverse=True) if newest is not None and n < newest]
+        for candidate in [folder, *older]:
+            if not (candidate / STATE_FILE).is_file():
+                continue
+            try:
+                check_megarl_checkpoint(candidate)  # a lost or truncated shard: that checkpoint cannot be resumed
+            except UserError as damage:
+                log.warning("checkpoint %s is damaged, not resuming from it: %s", candidate.name, damage)
+                continue
+            return candidate
+        raise UserError(
+            f"no intact checkpoint in {self.root} (the newest, {folder.name}, and every older one is damaged: see "
+            "the warnings above); restore the missing files or remove the checkpoints to start afresh"
+        )
 
     def begin(self, global_step: int) -> Path:
         """A fresh staging folder for the checkpoint of `global_step` (stale staging folders removed)."""
