@@ -93,7 +93,7 @@ def test_the_shipped_quickstart_config_runs_both_stages(tmp_path, name):
     records = read_metrics(run)
     assert [r["step"] for r in records if "sft/loss" in r] == [1, 2, 3, 4]
     evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
-    assert len(evals) == 2 and all(0.0 <= accuracy <= 1.0 for accuracy in evals)  # after SFT, after GRPO
+    assert evals == [0.0, 0.0]  # after 4 SFT steps and 2 GRPO steps the format is not learned yet (deterministic)
     assert (run / "checkpoints" / "latest").is_file() and (run / "plots" / "reward.png").is_file()
     if name == "quickstart_moe":  # R3: every update replays the engine's experts, which fp32 routes as the actor does
         steps = [r for r in records if "rollout/routing_replayed" in r]
