@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import re
 
-from megarl.rewards import RewardSample
-from megarl.rewards.math_answer import is_equivalent
+from megarl.rewards import RewardSample, is_equivalent
 
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 

@@ -279,12 +279,13 @@ def prepare(case: Case, folder: Path, model: Path) -> None:
         else:
             data = (copy / "model.safetensors").read_bytes()
             (copy / "model.safetensors").write_bytes(data[: len(data) // 2])
-    if case.prepare == "lost_shard":
-        from converters.hf_to_mcore import convert_hf_to_mcore
-        from megarl.runtime.parallel import ParallelConfig
+    if case.prepare == "lost_shard":  # converted in a process of its own: the conversion activates Megatron's CPU mode
+        import subprocess
+        import sys
 
         converted = folder / "mcore"
-        convert_hf_to_mcore(model, converted, ParallelConfig(), None, 128, False, False)
+        command = ["convert", "--from", "hf", "--to", "mcore", "--no-progress", str(model), str(converted)]
+        subprocess.run([sys.executable, "-m", "megarl.cli", *command], check=True, capture_output=True)
         (converted / "model" / "__0_0.distcp").unlink()
         (folder / "base.yaml").write_text((folder / "base.yaml").read_text().replace(str(model), str(converted)))
     checkpoints = folder / "run" / "checkpoints"

@@ -278,6 +278,7 @@ class RewardRunner:
             self._apply(indices, kind, payload, pending, outcome)
 
     def _on_death(self, worker: _Worker, pending: deque[list[int]], outcome: _Outcome) -> None:
+        worker.process.join(timeout=2.0)  # its pipe closed first: reap it, so that the exit code is known
         exitcode = worker.process.exitcode
         self._remove(worker)
         if worker.pid is None:
