@@ -32,9 +32,8 @@ def check_hf_weights(folder: str | Path, hf_config) -> int:
     checkpoint = HFCheckpoint(folder, raw=True)  # every header read and checked
     config = copy.deepcopy(hf_config)
     config.num_hidden_layers = min(config.num_hidden_layers, LAYERS_CHECKED)
-    for name in ("layer_types", "mlp_only_layers"):  # per-layer lists follow the layer count
-        if isinstance(getattr(config, name, None), list):
-            setattr(config, name, getattr(config, name)[: config.num_hidden_layers])
+    if isinstance(getattr(config, "layer_types", None), list):  # one entry per layer (sliding/full attention)
+        config.layer_types = config.layer_types[: config.num_hidden_layers]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
