@@ -69,10 +69,12 @@ def metrics(run_dir: Path) -> list[dict]:
     return [m for m in read_metrics(run_dir) if "reward/mean" in m]
 
 
-def interrupt_after(config: Path, run_dir: Path, step: int, timeout: float = 600) -> int:
-    """Start `megarl train`, press Ctrl-C (SIGINT) once step `step` is logged; the run's exit code."""
+def interrupt_after(config: Path, run_dir: Path, step: int, timeout: float = 600, signum: int | None = None) -> int:
+    """Start `megarl train`, send `signum` (default SIGINT: Ctrl-C) once step `step` is logged; the exit code."""
     import signal
     import time
+
+    signum = signal.SIGINT if signum is None else signum
 
     cmd = [sys.executable, "-m", "megarl.cli", "train", "--config", str(config)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -80,7 +82,7 @@ def interrupt_after(config: Path, run_dir: Path, step: int, timeout: float = 600
     try:
         while time.monotonic() < deadline and proc.poll() is None:
             if (run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= step:
-                proc.send_signal(signal.SIGINT)
+                proc.send_signal(signum)
                 break
             time.sleep(0.2)
         return proc.wait(timeout=max(deadline - time.monotonic(), 1))

@@ -7,6 +7,7 @@ the response), so a few steps must raise the reward.
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 from job_helpers import FIXTURES, interrupt_after, megarl_train, metrics, write_config
@@ -112,3 +113,38 @@ def test_the_colocated_handover_runs_in_order_and_changes_no_number(grpo_run, tm
     phases = ("rollout", "reward", "handover", "logprobs", "update", "sync")
     for step in metrics(grpo_run):  # every step carries every phase's memory
         assert {f"memory/{phase}/rss_gb" for phase in phases} <= set(step)
+
+
+@pytest.mark.slow
+def test_sigusr1_saves_a_checkpoint_and_asks_for_a_requeue(tmp_path):
+    """Slurm's warning before the time limit (`#SBATCH --signal=B:USR1@300`, forwarded to the trainer): the step
+    ends, a checkpoint of every logged step is saved, and the exit code 75 tells the job script to requeue (resuming
+    from such a checkpoint is the Ctrl-C test's road)."""
+    config = write_config(tmp_path, "[grpo]", 8)
+    assert interrupt_after(config, tmp_path / "run", step=2, signum=signal.SIGUSR1) == 75
+    checkpoints = tmp_path / "run" / "checkpoints"
+    state = json.loads((checkpoints / (checkpoints / "latest").read_text().strip() / "trainer_state.json").read_text())
+    assert state["global_step"] == len(metrics(tmp_path / "run")) < 8
+
+
+def test_every_stop_signal_stops_at_a_step_end_with_its_exit_code():
+    """SIGTERM (Kubernetes, scancel, a node drain) and SIGUSR1 mean "checkpoint and let the scheduler requeue" (75,
+    EX_TEMPFAIL), SIGINT is Ctrl-C (130); a second signal aborts at once."""
+    from megarl.trainer.run import STOP_SIGNALS, _stop_handler
+
+    assert STOP_SIGNALS == {signal.SIGINT: 130, signal.SIGTERM: 75, signal.SIGUSR1: 75}
+
+    class FakeSteps:
+        stop_requested = False
+        progress = type("P", (), {"message": staticmethod(lambda text: messages.append(text))})
+
+    messages, received = [], []
+    steps = FakeSteps()
+    handle = _stop_handler(steps, received)
+    handle(signal.SIGTERM, None)
+    assert steps.stop_requested and received == [signal.SIGTERM]
+    assert messages == [
+        "megarl: SIGTERM: stopping after this step (a checkpoint will be saved); SIGTERM again to abort"
+    ]
+    with pytest.raises(KeyboardInterrupt):
+        handle(signal.SIGTERM, None)

@@ -23,7 +23,8 @@ log = logging.getLogger("megarl")
 
 
 def train(config: JobConfig) -> int:
-    """Run every stage of `config`; returns the exit code (0 done, 130 interrupted). A worker that dies or fails
+    """Run every stage of `config`; returns the exit code (0 done, 130 interrupted, 75 stopped by SIGTERM or
+    SIGUSR1 to be requeued: see STOP_SIGNALS). A worker that dies or fails
     mid-run makes every role restart from the last checkpoint, up to run.max_restarts times."""
     from megarl.checkpoint.hub import localize_model_paths
     from megarl.cluster.errors import WorkerError
@@ -235,11 +236,20 @@ def _restore_roles(config: JobConfig, roles, latest: Path, state: TrainerState) 
             group.call("load_checkpoint", str(latest / name), True, False)
 
 
+STOP_SIGNALS = {signal.SIGINT: 130, signal.SIGTERM: 75, signal.SIGUSR1: 75}
+"""Signals that stop a run at the next step's end with a checkpoint, and the exit code each gives: 130 for Ctrl-C;
+75 (EX_TEMPFAIL: "try again") for SIGTERM (Kubernetes, `scancel`, a node drain) and SIGUSR1 (Slurm's warning
+before the time limit, `#SBATCH --signal=B:USR1@300`): a scheduler that sees 75 requeues the job, and the same
+command resumes from that checkpoint."""
+
+
 def _run_stages(run, data) -> int:
     from megarl.trainer.stage_data import run_stage
 
     steps, state = run.steps, run.steps.state
-    previous = signal.signal(signal.SIGINT, _interrupt_handler(steps))
+    received: list[int] = []
+    handler = _stop_handler(steps, received)
+    previous = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
     try:
         while state.stage_index < len(run.config.run.stages):
             run_stage(run, data)
@@ -250,21 +260,28 @@ def _run_stages(run, data) -> int:
                     steps.checkpointer.save(data.samplers())
     except StopRun as stop:
         steps.progress.message(f"megarl: {stop}")
-        return 130
+        return STOP_SIGNALS[received[0]] if received else 130
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, before in previous.items():
+            signal.signal(signum, before)
     steps.progress.message(f"megarl: done; run folder {run.config.run.dir}")
     return 0
 
 
-def _interrupt_handler(steps):
-    """First Ctrl-C: finish the step, save a checkpoint, stop. Second: stop at once (the last checkpoint stands)."""
+def _stop_handler(steps, received: list[int]):
+    """The first stop signal: finish the step, save a checkpoint, stop. A second one: stop at once (the last
+    checkpoint stands)."""
 
     def handle(signum, frame):
         if steps.stop_requested:
             raise KeyboardInterrupt
+        received.append(signum)
         steps.stop_requested = True
-        steps.progress.message("megarl: stopping after this step (a checkpoint will be saved); Ctrl-C again to abort")
+        name = signal.Signals(signum).name
+        again = "Ctrl-C" if signum == signal.SIGINT else name
+        steps.progress.message(
+            f"megarl: {name}: stopping after this step (a checkpoint will be saved); {again} again to abort"
+        )
 
     return handle
 
