@@ -11,7 +11,6 @@ versions differ from the file (CI's `tests/test_install.py` runs the same compar
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -25,20 +24,17 @@ HEADER = """\
 EXTRAS = ("dev",)
 
 
-def _name(requirement: str) -> str:
-    return re.split(r"[\s\[<>=!~;(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
-
-
 def _requirements(dist: metadata.Distribution, extras: tuple[str, ...]) -> list[str]:
     """The names `dist` requires on this platform (with `extras` of its own)."""
     from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
 
     names = []
     for text in dist.requires or []:
         requirement = Requirement(text)
         marker = requirement.marker
         if marker is None or any(marker.evaluate({"extra": extra}) for extra in ("", *extras)):
-            names.append(requirement.name.lower().replace("_", "-"))
+            names.append(canonicalize_name(requirement.name))
     return names
 
 
@@ -66,12 +62,15 @@ def render(versions: dict[str, str]) -> str:
 
 
 def read(path: Path) -> dict[str, str]:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
     pins = {}
     for line in path.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
-            name, _, version = line.partition("==")
-            pins[_name(name)] = version.strip()
+            requirement = Requirement(line)
+            pins[canonicalize_name(requirement.name)] = str(requirement.specifier).removeprefix("==")
     return pins
 
 

@@ -21,12 +21,13 @@ def check_versions(installed: dict[str, str] | None = None) -> None:
     overrides what is looked up (tests). A megarl that is not installed (run from a source tree) has no declared
     ranges to check."""
     from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
 
     try:
         declared = [Requirement(text) for text in metadata.requires("megarl") or []]
     except metadata.PackageNotFoundError:
         return
-    ranges = {_canonical(r.name): r.specifier for r in declared if r.marker is None}
+    ranges = {canonicalize_name(r.name): r.specifier for r in declared if r.marker is None}
     for name in CHECKED:
         version = (installed or {}).get(name) or _installed_version(name)
         if name in ranges and version is not None and not ranges[name].contains(version, prereleases=True):
@@ -41,7 +42,3 @@ def _installed_version(name: str) -> str | None:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
-
-
-def _canonical(name: str) -> str:
-    return name.lower().replace("_", "-")
