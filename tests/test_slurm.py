@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -64,6 +65,24 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+def _free_port_range(count: int) -> int:
+    """The first of `count` consecutive ports nothing listens on now (above Linux's ephemeral range's usual start
+    would collide with outgoing connections: take them below it)."""
+    for first in range(20000 + os.getpid() % 50 * 200, 32000, count):
+        if all(_port_is_free(port) for port in range(first, first + count)):
+            return first
+    raise RuntimeError(f"no {count} free consecutive ports between 20000 and 32000")
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def _wait(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
@@ -215,19 +234,30 @@ def job_processes(job_id: str) -> list[str]:
 
 
 def run_job(
-    slurm: SlurmCluster, tmp_path: Path, command: str, config: Path, *overrides: str, **settings: str
+    slurm: SlurmCluster,
+    tmp_path: Path,
+    command: str,
+    config: Path,
+    *overrides: str,
+    tasks: int = 2,
+    cpus_per_task: int = 1,
+    **settings: str,
 ) -> tuple[str, Path]:
-    """Submit the template from an unrelated folder: two tasks (two Ray nodes) on this machine, `command` as the
+    """Submit the template from an unrelated folder: `tasks` tasks (Ray nodes) on this machine, `command` as the
     entry command (MEGARL_CMD), `settings` as further environment (MEGARL_*). Returns (job id, job folder)."""
     job_dir = tmp_path / "job"
     submit_dir = tmp_path / "elsewhere"
+    ports = _free_port_range(420)  # 2 Ray nodes x 6 fixed ports (10 apart), then 2 x 200 worker ports
     submit_dir.mkdir()
     env = {
         "MEGARL_CMD": command,
         "MEGARL_JOB_DIR": str(job_dir),
         "MEGARL_RAY_WAIT_S": "120",
         "MEGARL_RAY_START_ARGS": "--object-store-memory=100000000",
-        # other Ray clusters may run on this machine: ports of our own
+        # other Ray clusters may run on this machine: ports of our own (the template fixes them all)
+        "MEGARL_RAY_NODE_PORTS": str(ports),
+        "MEGARL_RAY_WORKER_PORTS": str(ports + 20),
+        "MEGARL_RAY_WORKER_PORTS_PER_NODE": "200",
         "MEGARL_RAY_PORT": str(_free_port()),
         "MEGARL_RAY_CLIENT_PORT": str(_free_port()),
         "RAY_ADDRESS": "",  # the test process' own Ray (if any) must not leak into the job
@@ -237,10 +267,9 @@ def run_job(
         "sbatch",
         "--parsable",
         "--nodes=1",
-        "--ntasks=2",
-        "--ntasks-per-node=2",
-        "--cpus-per-task=1",
-        "--gpus-per-node=0",  # no GPUs here: overrides the template's 8
+        f"--ntasks={tasks}",
+        f"--ntasks-per-node={tasks}",
+        f"--cpus-per-task={cpus_per_task}",
         str(TEMPLATE),
         str(config),
         *overrides,
@@ -358,4 +387,64 @@ def test_a_node_that_never_joins_is_named(slurm, tmp_path):
     host = socket.gethostname().split(".")[0]
     assert f"Ray nodes missing after 20 s: {host} (1 of 2)" in log
     assert not marker.exists()  # the entry command never ran
+    _wait(lambda: not job_processes(job_id), 60, "the job's processes to exit")
+
+
+def test_time_limit_warning_checkpoints_requeues_and_the_next_start_resumes(slurm, tmp_path):
+    """Preemption as on a real cluster, with the real trainer: a GRPO run under the template gets Slurm's warning
+    before the time limit (the template's `--signal=B:USR1@300` signals the batch script alone, as `scancel --batch
+    --signal=USR1` does here), forwards it to `megarl train`, which finishes its step, saves and exits 75; the
+    template stops Ray and requeues the job, and its second start (same job id, same job folder) resumes from that
+    checkpoint to the last step. One Ray node of 2 CPUs announcing 2 GPUs (gloo workers, TP=2)."""
+    from job_helpers import metrics, write_config
+
+    config, run = write_config(tmp_path, "[grpo]", 6), tmp_path / "run"
+    job_id, job_dir = run_job(
+        slurm,
+        tmp_path,
+        f"{sys.executable} -m megarl.cli train",
+        config,
+        tasks=1,
+        cpus_per_task=2,
+        MEGARL_RAY_START_ARGS="--num-gpus=2 --object-store-memory=200000000",
+    )
+    logs = lambda: "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((job_dir / "logs").glob("*.log")))  # noqa: E731
+    try:
+        _wait(lambda: (run / "metrics.jsonl").is_file() and metrics(run), 300, "the first step")
+    except TimeoutError:
+        raise AssertionError(f"{slurm.job(job_id)}\n{logs()}") from None
+    slurm.run("scancel", "--batch", "--signal=USR1", job_id)
+    try:
+        _wait(lambda: slurm.job(job_id).get("Restarts") == "1", 240, "the job to be requeued")
+    except TimeoutError:
+        raise AssertionError(f"{slurm.job(job_id)}\n{logs()}") from None
+    # Slurm holds a requeued job for about 2 minutes (its BeginTime); as an admin would, start it now
+    slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+    finished = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+    try:
+        job = _wait(
+            lambda: (j := slurm.job(job_id)) and j.get("Restarts") == "1" and j.get("JobState") in finished and j,
+            600,
+            "the requeued job to finish",
+        )
+    except TimeoutError:
+        raise AssertionError(f"{slurm.job(job_id)}\n{logs()}") from None
+    log = (job_dir / "logs" / "sbatch.log").read_text()
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", f"{job}\n{logs()}"
+    assert "time limit near (SIGUSR1): asking the entry command to save a checkpoint and stop" in log, log
+    assert "entry command exited with status 75" in log and "requeueing the job" in log, log
+    assert f"job {job_id} (start 2)" in log and "entry command exited with status 0" in log, log
+    stopped = int(
+        re.search(
+            r"SIGUSR1: stopping after this step.*\n(?:.*\n)*?.*checkpoint saved at step (\d+)",
+            (job_dir / "logs" / "driver.log").read_text(),
+        ).group(1)
+    )
+    assert 1 <= stopped < 6
+    assert [s["step"] for s in metrics(run)] == list(range(1, 7))  # every step once: resumed, not restarted
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_6"
+    for start in (1, 2):  # each start copied its node's Ray logs (raylet, GCS, workers) to the job folder
+        assert (
+            job_dir / "logs" / "ray" / f"start-{start}" / f"{socket.gethostname().split('.')[0]}-0" / "raylet.out"
+        ).is_file()
     _wait(lambda: not job_processes(job_id), 60, "the job's processes to exit")

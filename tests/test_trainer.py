@@ -10,7 +10,7 @@ import json
 import signal
 
 import pytest
-from job_helpers import FIXTURES, interrupt_after, megarl_train, metrics, write_config
+from job_helpers import FIXTURES, megarl_train, metrics, write_config
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +63,27 @@ def test_dapo_dynamic_sampling_fills_each_batch_with_informative_groups(tmp_path
 
 
 @pytest.mark.slow
-def test_ctrl_c_saves_and_a_rerun_resumes_with_the_same_numbers(grpo_run, tmp_path):
-    config = write_config(tmp_path, "[grpo]", 8)
-    assert interrupt_after(config, tmp_path / "run", step=2) == 130  # finishes its step, saves, stops
-    assert (tmp_path / "run/checkpoints/latest").is_file()
-    megarl_train(config)  # the same command again resumes
-    a, b = metrics(grpo_run), metrics(tmp_path / "run")
+def test_every_stop_signal_saves_and_reruns_resume_with_the_same_numbers(grpo_run, tmp_path):
+    """A real `megarl train` stopped three times, once by each signal a user or scheduler sends, and rerun each
+    time: Slurm's pre-timeout warning (SIGUSR1, forwarded by tools/slurm/megarl.sbatch) and SIGTERM (scancel,
+    Kubernetes, a node drain) end the step, save and exit 75 ("requeue me"); Ctrl-C (SIGINT) does the same with 130.
+    The same command again resumes, and the four pieces give the uninterrupted run's numbers. Each signal arrives
+    right after the run's 2nd step is logged (MEGARL_FAULTS sends it to the process at that exact point, so the
+    steps it stops at are known; tests/test_slurm.py sends SIGUSR1 from outside, through Slurm)."""
+    config, run = write_config(tmp_path, "[grpo]", 8), tmp_path / "run"
+    for name, code, stopped_at in (("sigusr1", 75, 2), ("sigterm", 75, 4), ("sigint", 130, 6)):
+        out = megarl_train(config, env={"MEGARL_FAULTS": f"{name}:step.logged:2"}, check=False)
+        assert out.returncode == code, f"{name}: {out.stderr[-3000:]}"
+        assert f"megarl: {name.upper()}: stopping after this step" in out.stdout + out.stderr
+        assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at}"
+        assert [s["step"] for s in metrics(run)] == list(range(1, stopped_at + 1))
+    megarl_train(config)  # the same command again resumes, to the end
+    a, b = metrics(grpo_run), metrics(run)
     assert [s["step"] for s in b] == list(range(1, 9))
     for x, y in zip(a, b):
         assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-6)
         assert x["actor/loss"] == pytest.approx(y["actor/loss"], abs=1e-5)
-    state = json.loads((tmp_path / "run/checkpoints/step_8/trainer_state.json").read_text())
+    state = json.loads((run / "checkpoints/step_8/trainer_state.json").read_text())
     assert state["data"]["prompts"]["position"] == 64 and state["weight_version"] == 9
 
 
@@ -115,18 +125,6 @@ def test_the_colocated_handover_runs_in_order_and_changes_no_number(grpo_run, tm
         assert {f"memory/{phase}/rss_gb" for phase in phases} <= set(step)
 
 
-@pytest.mark.slow
-def test_sigusr1_saves_a_checkpoint_and_asks_for_a_requeue(tmp_path):
-    """Slurm's warning before the time limit (`#SBATCH --signal=B:USR1@300`, forwarded to the trainer): the step
-    ends, a checkpoint of every logged step is saved, and the exit code 75 tells the job script to requeue (resuming
-    from such a checkpoint is the Ctrl-C test's road)."""
-    config = write_config(tmp_path, "[grpo]", 8)
-    assert interrupt_after(config, tmp_path / "run", step=2, signum=signal.SIGUSR1) == 75
-    checkpoints = tmp_path / "run" / "checkpoints"
-    state = json.loads((checkpoints / (checkpoints / "latest").read_text().strip() / "trainer_state.json").read_text())
-    assert state["global_step"] == len(metrics(tmp_path / "run")) < 8
-
-
 def test_every_stop_signal_stops_at_a_step_end_with_its_exit_code():
     """SIGTERM (Kubernetes, scancel, a node drain) and SIGUSR1 mean "checkpoint and let the scheduler requeue" (75,
     EX_TEMPFAIL), SIGINT is Ctrl-C (130); a second signal aborts at once."""
@@ -148,3 +146,27 @@ def test_every_stop_signal_stops_at_a_step_end_with_its_exit_code():
     ]
     with pytest.raises(KeyboardInterrupt):
         handle(signal.SIGTERM, None)
+
+
+def test_a_stop_signal_while_the_run_starts_stops_it_through_its_clean_up(monkeypatch, capsys):
+    """Before the first step (Ray, engines, workers starting) there is no step to finish: SIGTERM or SIGUSR1 stops
+    the run at once through its clean-up, with the requeue code, rather than killing the process on the spot."""
+    import os
+
+    from megarl.trainer import run
+
+    cleaned = []
+
+    def starting(config):
+        try:
+            os.kill(os.getpid(), signal.SIGUSR1)  # arrives while the roles start
+            raise AssertionError("the signal did not stop the start")
+        finally:
+            cleaned.append(True)
+
+    before = signal.getsignal(signal.SIGUSR1)
+    monkeypatch.setattr(run, "_train", starting)
+    assert run.train(None) == 75
+    assert cleaned == [True]
+    assert "megarl: SIGUSR1 before the first step or after the last: stopped" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGUSR1) is before  # the process' own handler is back

@@ -58,6 +58,22 @@ LOG_TAIL_LINES = 40
 SHUTDOWN_GRACE_S = 15.0
 
 
+LOG_DIR_ENV = "MEGARL_LOG_DIR"
+"""Where servers write their logs when no path is given: `<it>/sglang/` (the Slurm template points it at the job
+folder on shared storage); unset: the node's temp folder, lost with a cluster allocation."""
+
+
+def _new_log_file() -> str:
+    folder = os.environ.get(LOG_DIR_ENV)
+    if folder:
+        folder = os.path.join(folder, "sglang")
+        os.makedirs(folder, exist_ok=True)
+    prefix = f"sglang-{socket.gethostname().split('.')[0]}-" if folder else "megarl-sglang-"
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".log", dir=folder or None)
+    os.close(fd)
+    return path
+
+
 class SGLangServerError(SGLangError):
     """The server process failed to start, died, or did not become healthy in time."""
 
@@ -234,8 +250,7 @@ class SGLangServer:
         self.url = url
         self.env = dict(env) if env is not None else None
         if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix="megarl-sglang-", suffix=".log")
-            os.close(fd)
+            log_path = _new_log_file()
         self.log_path = Path(log_path)
         self.startup_timeout_s = startup_timeout_s
         self.poll_interval_s = poll_interval_s

@@ -6,9 +6,12 @@ is a comma-separated list of `action:point[:count]`:
     MEGARL_FAULTS="sigkill:checkpoint.roles_written:2"   the driver SIGKILLs itself the 2nd time it gets there
     MEGARL_FAULTS="exit:rollout.generate:3"              a rollout worker process exits on its 3rd generate call
     MEGARL_FAULTS="nan:actor.grads:2"                    the actor's 2nd optimizer step sees NaN gradients
+    MEGARL_FAULTS="sigterm:step.logged:2"                the driver gets SIGTERM right after logging its 2nd step
 
-Actions: `sigkill` (SIGKILL this process: nothing is flushed or cleaned up), `exit` (os._exit(1)), `raise`
-(RuntimeError), `nan` (the point's caller makes its value non-finite). Points are named where `hit` is called.
+Actions: `sigkill` (SIGKILL this process: nothing is flushed or cleaned up), any other signal by name (`sigterm`,
+`sigusr1`, `sigint`: sent to this process, which handles it as it would one from outside, at an exact point),
+`exit` (os._exit(1)), `raise` (RuntimeError), `nan` (the point's caller makes its value non-finite). Points are
+named where `hit` is called.
 
 Counts are per process. With MEGARL_FAULTS_ONCE=DIR a fault fires once per DIR across processes and restarts (a
 marker file records it): a run that restarts its workers after the fault does not meet it again.
@@ -54,8 +57,8 @@ def hit(point: str) -> bool:
                 pass
         except FileExistsError:
             return False
-    if action == "sigkill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if action.startswith("sig"):
+        os.kill(os.getpid(), signal.Signals[action.upper()])
     if action == "exit":
         os._exit(1)
     if action == "raise":

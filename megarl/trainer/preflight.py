@@ -8,7 +8,9 @@ sizes), every role's layout fits its GPUs, and the batch shapes fit the data-par
 from __future__ import annotations
 
 import json
+import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 from megarl.config.job import JobConfig, RoleConfig
@@ -76,6 +78,23 @@ def check_model_files(path: str, hf_config) -> None:
         check_hf_weights(folder, hf_config)
 
 
+RAY_NODES_ENV = "MEGARL_RAY_NODES"
+"""The number of Ray nodes tools/slurm/megarl.sbatch started (one per Slurm task), exported to the entry command."""
+
+
+def check_ray_nodes(cluster, env: Mapping[str, str] = os.environ) -> None:
+    """Inside the Slurm template, cluster.num_nodes must be the number of Ray nodes the job started: fewer leaves
+    nodes idle, more waits for nodes that never come (cluster.init_timeout_s) before it fails."""
+    started = env.get(RAY_NODES_ENV)
+    if cluster.is_local or not started or int(started) == cluster.num_nodes:
+        return
+    raise UserError(
+        f"cluster.num_nodes={cluster.num_nodes} but this Slurm job started {started} Ray node(s) (one per task, "
+        f"{RAY_NODES_ENV}={started}); submit with sbatch --nodes={cluster.num_nodes} (one task per node) or set "
+        f"cluster.num_nodes={started}"
+    )
+
+
 def preflight(config: JobConfig, check_memory: bool = True, off_machine: bool = False) -> None:
     """Every check train makes before Ray starts; `megarl plan` and `--dry-run` run it too (off_machine: the model
     files may be on the cluster only, see load_model_config)."""
@@ -86,6 +105,7 @@ def preflight(config: JobConfig, check_memory: bool = True, off_machine: bool = 
 
     if not off_machine:  # the run folder: on this machine (a plan may be made elsewhere)
         check_writable_folder(config.run.dir, "run.dir")
+        check_ray_nodes(config.cluster)
     hf_config = load_model_config(config, off_machine)
     arch = get_architecture(hf_config.model_type)
     arch.check_supported(hf_config)

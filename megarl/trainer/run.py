@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import signal
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -26,6 +27,46 @@ def train(config: JobConfig) -> int:
     """Run every stage of `config`; returns the exit code (0 done, 130 interrupted, 75 stopped by SIGTERM or
     SIGUSR1 to be requeued: see STOP_SIGNALS). A worker that dies or fails
     mid-run makes every role restart from the last checkpoint, up to run.max_restarts times."""
+    try:
+        with _stop_signals_outside_steps():
+            return _train(config)
+    except SignalOutsideSteps as stop:
+        name = signal.Signals(stop.signum).name
+        print(
+            f"megarl: {name} before the first step or after the last: stopped; the latest checkpoint (if any) stands",
+            file=sys.stderr,
+        )
+        return STOP_SIGNALS[stop.signum]
+
+
+class SignalOutsideSteps(BaseException):
+    """SIGTERM or SIGUSR1 while the run starts (or shuts down): there is no step to finish, so it stops at once,
+    through every clean-up (Ray, engines, workers), like Ctrl-C does."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _stop_signals_outside_steps() -> Iterator[None]:
+    """Outside the step loop (which installs its own handler: finish the step, save, stop), SIGTERM and SIGUSR1
+    stop the run at once through its clean-up and exit 75: by default they would kill the process on the spot,
+    leaving a local Ray instance and engine processes behind and giving the scheduler no requeue code."""
+
+    def stop(signum, frame):
+        raise SignalOutsideSteps(signum)
+
+    requeue = [signum for signum, code in STOP_SIGNALS.items() if signum != signal.SIGINT]
+    previous = {signum: signal.signal(signum, stop) for signum in requeue}
+    try:
+        yield
+    finally:
+        for signum, before in previous.items():
+            signal.signal(signum, before)
+
+
+def _train(config: JobConfig) -> int:
     from megarl.checkpoint.hub import localize_model_paths
     from megarl.cluster.errors import WorkerError
     from megarl.config import config_hash, save_resolved

@@ -10,7 +10,7 @@
 # Installs offline from CARRY without touching torch, runs `pytest -m gpu`, then the GPU benchmarks, and prints
 # one summary line per check. --dry-run prints every command instead of running it (checked by the CPU tests).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 CARRY=${CARRY:-.gpu-carry}
 OUT=${OUT:-gpu-out}
 DRY=0
