@@ -128,3 +128,21 @@ def test_worker_error_message_names_role_ranks_and_tracebacks():
     )
     assert '--- critic rank 1 (raised) ---\nFile "w.py", line 3\nValueError: x' in message
     assert "--- critic rank 3 (died) ---" in message and "rank 2 (no answer) ---" not in message
+
+
+def test_train_refuses_a_node_count_the_slurm_job_did_not_start():
+    """tools/slurm/megarl.sbatch exports MEGARL_RAY_NODES (one Ray node per task): a config asking for another
+    number of nodes is refused before any worker starts, naming both numbers and both fixes."""
+    from megarl.cluster.config import ClusterConfig
+    from megarl.trainer.preflight import check_ray_nodes
+
+    cluster = ClusterConfig(address="auto", num_nodes=16, gpus_per_node=8)
+    check_ray_nodes(cluster, {"MEGARL_RAY_NODES": "16"})
+    check_ray_nodes(cluster, {})  # not inside the template: nothing to compare with
+    check_ray_nodes(ClusterConfig(), {"MEGARL_RAY_NODES": "2"})  # a local Ray instance is its own cluster
+    with pytest.raises(UserError) as error:
+        check_ray_nodes(cluster, {"MEGARL_RAY_NODES": "2"})
+    assert str(error.value) == (
+        "cluster.num_nodes=16 but this Slurm job started 2 Ray node(s) (one per task, MEGARL_RAY_NODES=2); submit "
+        "with sbatch --nodes=16 (one task per node) or set cluster.num_nodes=2"
+    )

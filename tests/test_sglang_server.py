@@ -11,6 +11,7 @@ SGLang itself cannot be installed or run on this CPU machine. What stands in for
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import textwrap
 import time
@@ -288,3 +289,16 @@ def test_default_log_file_is_created(tmp_path):
     server = SGLangServer(_python("pass"), "http://127.0.0.1:1")
     assert server.log_path.exists() and server.log_path.name.startswith("megarl-sglang-")
     os.unlink(server.log_path)
+
+
+def test_log_goes_to_megarl_log_dir_when_set(tmp_path, monkeypatch):
+    """On a cluster the Slurm template sets MEGARL_LOG_DIR to the job folder: the servers' logs must outlive the
+    allocation's node-local /tmp, one file per server, named by host."""
+    monkeypatch.setenv("MEGARL_LOG_DIR", str(tmp_path / "logs"))
+    first = SGLangServer(_python("pass"), "http://127.0.0.1:1")
+    second = SGLangServer(_python("pass"), "http://127.0.0.1:2")
+    host = socket.gethostname().split(".")[0]
+    for server in (first, second):
+        assert server.log_path.parent == tmp_path / "logs" / "sglang"
+        assert server.log_path.name.startswith(f"sglang-{host}-") and server.log_path.is_file()
+    assert first.log_path != second.log_path
