@@ -165,7 +165,10 @@ CASES = [
     Case(
         "data file missing, relative path",
         [*TRAIN, "data.train_files=[gone/p.jsonl]"],
-        ["data.train_files[0]='gone/p.jsonl' does not exist (looked at", "gone/p.jsonl: relative paths are read"],
+        [
+            "data.train_files[0]='gone/p.jsonl' does not exist (looked at",
+            "gone/p.jsonl: a relative path on the command",
+        ],
     ),
     Case("empty data file", TRAIN, ["prompts.jsonl'", "holds no rows (an empty file)"], prepare="empty"),
     Case("invalid json row", TRAIN, ["prompts.jsonl:3", "JSON"], prepare="bad_json"),

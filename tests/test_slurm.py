@@ -448,3 +448,55 @@ def test_time_limit_warning_checkpoints_requeues_and_the_next_start_resumes(slur
             job_dir / "logs" / "ray" / f"start-{start}" / f"{socket.gethostname().split('.')[0]}-0" / "raylet.out"
         ).is_file()
     _wait(lambda: not job_processes(job_id), 60, "the job's processes to exit")
+
+
+SRUN_SHIM = """#!/bin/bash
+# pyxis stand-in: record every srun call's container options, run the step with the real srun without them
+printf '%s %s\\n' "$(date +%s.%N)" "$*" >> "$SHIM_LOG"
+args=()
+for arg in "$@"; do
+    case $arg in --container-*|--no-container-mount-home) ;; *) args+=("$arg") ;; esac
+done
+exec "$REAL_SRUN" "${args[@]}"
+"""
+
+
+def test_with_a_container_each_node_creates_it_once_before_the_concurrent_steps(slurm, tmp_path):
+    """pyxis races when concurrent steps create the same named container: the template creates the container once
+    per node in a step of its own, and every later step (the Ray nodes, the wait, the entry command, running at the
+    same time) joins it by name. No pyxis here: an `srun` shim on PATH records each step's container options and
+    runs it without them."""
+    shim_dir = tmp_path / "shim"
+    shim_dir.mkdir()
+    (shim_dir / "srun").write_text(SRUN_SHIM)
+    (shim_dir / "srun").chmod(0o755)
+    calls = tmp_path / "srun_calls.log"
+    program = tmp_path / "check_cluster.py"
+    program.write_text(CHECK_CLUSTER)
+    config = tmp_path / "job.yaml"
+    config.write_text("run: {name: slurm-container}\n")
+    out = tmp_path / "result.json"
+    job_id, job_dir = run_job(
+        slurm,
+        tmp_path,
+        f"{sys.executable} {program} --out {out}",
+        config,
+        MEGARL_CONTAINER_IMAGE="/images/megarl.sqsh",
+        MEGARL_CONTAINER_MOUNTS="/lustre/data:/data:ro",
+        PATH=f"{shim_dir}:{os.environ['PATH']}",
+        SHIM_LOG=str(calls),
+        REAL_SRUN=shutil.which("srun"),
+    )
+    job = wait_done(slurm, job_id, 240)
+    assert job["JobState"] == "COMPLETED", (job, (job_dir / "logs" / "sbatch.log").read_text())
+    assert json.loads(out.read_text())["nodes"] == 2
+    steps = [line.split(" ", 1)[1] for line in calls.read_text().splitlines()]
+    name = f"--container-name=megarl-{job_id}-0"
+    create, *joins = steps
+    assert "--container-image=/images/megarl.sqsh" in create and name in create and " true" in create
+    assert "--ntasks-per-node=1" in create  # once per node
+    assert len(joins) == 3  # the Ray nodes, the wait for them, the entry command
+    for step in joins:
+        assert name in step and "--container-image" not in step, step
+        assert f"--container-mounts={job_dir}:{job_dir},{tmp_path}:{tmp_path},/lustre/data:/data:ro" in step
+    _wait(lambda: not job_processes(job_id), 60, "the job's processes to exit")

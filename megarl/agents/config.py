@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from megarl.config.paths import path_field
 from megarl.errors import UserError
 
 
 @dataclass
 class AgentConfig:
-    env: str = ""
+    env: str = path_field("spec", "")
     """The environment of multi-turn rollouts: `tools` (the built-in tool environment: megarl/agents/environment.py),
     `module.path:Class` or `path/to/file.py:Class` (a subclass of Environment); "" = single-turn rollouts."""
     env_kwargs: dict[str, Any] = field(default_factory=dict)

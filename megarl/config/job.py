@@ -13,6 +13,7 @@ from typing import Literal
 from megarl.agents.config import AgentConfig
 from megarl.algorithms.config import AlgorithmConfig
 from megarl.cluster.config import ClusterConfig
+from megarl.config.paths import path_field
 from megarl.data.config import PromptDataConfig
 from megarl.errors import UserError
 from megarl.rewards.config import RewardConfig
@@ -26,7 +27,7 @@ from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSe
 class RunConfig:
     name: str = "run"
     """Name of the run (folder name, logger run name)."""
-    dir: str = "runs/${run.name}"
+    dir: str = path_field("file", "runs/${run.name}")
     """Run folder: resolved config, metrics.jsonl, TensorBoard, plots, checkpoints."""
     seed: int = 1
     """Seeds rollout sampling and the workers' random streams (value heads, dropout); a resumed run derives them
@@ -52,7 +53,7 @@ class RunConfig:
 class ModelInit:
     """Build a fresh model instead of loading weights (the CPU quickstart: there is no model hub here)."""
 
-    config: str = ""
+    config: str = path_field("file", "")
     """A HF config.json (e.g. configs/models/quickstart.json) to build a randomly initialized model from."""
     tokenizer: Literal["char"] = "char"
     """The tokenizer to build: char = one token per printable ASCII character (megarl.data.char_tokenizer)."""
@@ -62,7 +63,7 @@ class ModelInit:
 
 @dataclass
 class ModelSource:
-    path: str = ""
+    path: str = path_field("model", "")
     """The starting weights of every role: a HF model folder or a megarl checkpoint folder."""
     init: ModelInit | None = None
     """If set and `path` does not exist yet, build a tiny model there first (HF folder with tokenizer)."""
@@ -145,7 +146,7 @@ class PlanConfig:
     transport's speed (engines across nodes)."""
     host_memory_gb: float | None = None
     """Host memory of one node, GB; given, the plan refuses a job whose host memory per node exceeds 90% of it."""
-    model_config: str | None = None
+    model_config: str | None = path_field("file", None)
     """A config.json to plan with when model.path is not on this machine (e.g. planning on a laptop)."""
     check_memory: bool = True
     """`megarl train` refuses to start when the plan says a role does not fit."""

@@ -27,6 +27,7 @@ from omegaconf.errors import (
     UnsupportedInterpolationType,
 )
 
+from megarl.config.paths import anchor_paths
 from megarl.config.schema import (
     ConfigKeyError,
     build,
@@ -71,7 +72,7 @@ def load_config(schema: type[T], path: str | Path | None = None, overrides: Sequ
     Overrides are `a.b.c=value` with YAML-typed values (`x=3`, `x=0.5`, `x=[1,2]`, `x=null`, `x=true`, `x="3"`).
     Raises UserError naming the file and line (or the override), the key path and what would be valid.
     """
-    layers = _file_layers(Path(path), ()) if path is not None else []
+    layers = _file_layers(Path(path), (), schema) if path is not None else []
     layers += [_override_layer(text) for text in overrides]
 
     config = OmegaConf.structured(schema)
@@ -130,7 +131,7 @@ def _override_layer(text: str) -> _Layer:
     return _Layer(data, lambda _key: where)
 
 
-def _file_layers(path: Path, chain: tuple[Path, ...]) -> list[_Layer]:
+def _file_layers(path: Path, chain: tuple[Path, ...], schema: type | None = None) -> list[_Layer]:
     """The layers of one file: its bases (recursively, in order), then the file itself."""
     resolved = path.resolve()
     if resolved in [p.resolve() for p in chain]:
@@ -152,7 +153,9 @@ def _file_layers(path: Path, chain: tuple[Path, ...]) -> list[_Layer]:
                 raise UserError(
                     f"{parsed.where(EXTENDS_KEY)}: {EXTENDS_KEY}: {name!r} is not a file (looked for {base.absolute()})"
                 )
-            layers += _file_layers(base, (*chain, path))
+            layers += _file_layers(base, (*chain, path), schema)
+    if schema is not None:  # relative paths in a file are relative to its folder (megarl/config/paths.py)
+        anchor_paths(schema, parsed.data, path.parent.absolute())
     layers.append(_Layer(parsed.data, parsed.where))
     return layers
 

@@ -13,6 +13,7 @@ import string
 import warnings
 from dataclasses import dataclass, field
 
+from megarl.config.paths import path_field
 from megarl.errors import UserError
 
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -32,7 +33,8 @@ def check_data_files(files: list[str], key: str) -> None:
             where = (
                 ""
                 if os.path.isabs(path)
-                else f" (looked at {os.path.abspath(path)}: relative paths are read from the working directory)"
+                else f" (looked at {os.path.abspath(path)}: a relative path on the command line is read from the "
+                "working directory, one in a config file from the file's folder)"
             )
             problems.append(f"{name} does not exist{where}")
     if problems:
@@ -63,9 +65,9 @@ def template_fields(template: str) -> list[str]:
 class TextDataConfig:
     """What every text dataset shares: its files, the prompt column and how a prompt is rendered."""
 
-    train_files: list[str] = field(default_factory=list)
+    train_files: list[str] = path_field("files", default_factory=list)  # noqa: RUF009 (a dataclasses.field)
     """Training files (.jsonl, .json or .parquet), read in order and concatenated."""
-    eval_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = path_field("files", default_factory=list)  # noqa: RUF009 (a dataclasses.field)
     """Evaluation files; empty means no evaluation set."""
     prompt_key: str = "prompt"
     """Column holding the prompt: text, or a list of chat messages ({"role": ..., "content": ...})."""

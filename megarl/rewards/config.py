@@ -7,6 +7,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from megarl.config.paths import path_field
 from megarl.errors import UserError
 
 
@@ -14,7 +15,7 @@ from megarl.errors import UserError
 class RewardConfig:
     """A rule-based or user reward function, called on batches of decoded rollouts in worker processes."""
 
-    fn: str = "math"
+    fn: str = path_field("spec", "math")
     """Reward function: a built-in (math, gsm8k, boxed, format) or a user function 'module.path:function' or
     'path/to/file.py:function', called as fn(samples: list[RewardSample], **kwargs) -> one float or
     {'score': float, <metric>: number} per sample."""

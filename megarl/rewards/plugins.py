@@ -118,7 +118,13 @@ def _import_module(target: str, spec: str, key: str) -> ModuleType:
 def _load_file(target: str, spec: str, key: str) -> ModuleType:
     path = Path(target).expanduser().resolve()
     if not path.is_file():
-        raise UserError(f"{key}={spec!r}: file {path} does not exist (relative paths start at {os.getcwd()})")
+        where = (
+            ""
+            if os.path.isabs(target)
+            else " (a relative path on the command line starts at the working directory, one in a config file at the "
+            "file's folder)"
+        )
+        raise UserError(f"{key}={spec!r}: file {path} does not exist{where}")
     # One module per file, registered under a stable name so that loading twice reuses it and pickle finds it.
     module_name = f"megarl_reward_plugin_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}_{path.stem}"
     if module_name in sys.modules:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megarl.config.paths import path_field
 from megarl.errors import UserError
 from megarl.runtime.parallel import ParallelConfig
 
@@ -62,7 +63,7 @@ class OptimizerSettings:
 class ModelSettings:
     """Where a role's weights come from and how its Megatron model is built."""
 
-    path: str = ""
+    path: str = path_field("model", "")
     """A Hugging Face model folder or a megarl checkpoint folder (written by `megarl convert` or training)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Parameter dtype of the Megatron model (float32 on CPU)."""
