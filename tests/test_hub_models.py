@@ -1,7 +1,7 @@
 """Hub model ids (`org/name[@revision]`) wherever megarl takes a model path, resolved offline from a cache folder
 the test builds in the Hub's own layout (`models--org--name/refs/main`, `snapshots/<commit>/`): the setting of a
-cluster without network (`HF_HUB_OFFLINE=1`). The online download is huggingface_hub's own `snapshot_download`;
-this machine cannot reach huggingface.co, so only the offline road runs here."""
+cluster without network (`HF_HUB_OFFLINE=1`); and online, downloaded by the real huggingface_hub client from a
+stand-in of the Hub's HTTP API on this machine (tests/hub_stand_in.py: huggingface.co cannot be reached here)."""
 
 from __future__ import annotations
 
@@ -103,3 +103,39 @@ def test_megarl_convert_takes_a_hub_id(hub_cache, tmp_path):
     )
     assert missing.returncode == 2
     assert missing.stderr.startswith("megarl: error: SRC='megarl-test/absent' is not a local folder")
+
+
+@pytest.mark.slow
+def test_a_hub_id_downloads_what_megarl_reads_and_converts(hf_checkpoint, tmp_path):
+    """Online, as on a machine with network: `megarl convert ... org/name DST` fetches the model into HF_HOME with
+    the real huggingface_hub client (pointed by HF_ENDPOINT at tests/hub_stand_in.py, as huggingface.co cannot be
+    reached here), only config, tokenizer and safetensors files (not a .bin copy), then converts it; a second run
+    takes it from the cache. A model or revision that does not exist is a clear error."""
+    from hub_stand_in import COMMIT as SERVED
+    from hub_stand_in import HubStandIn
+
+    model = tmp_path / "served"
+    shutil.copytree(hf_checkpoint("tiny-qwen3"), model)
+    (model / "pytorch_model.bin").write_bytes(b"a PyTorch copy megarl never reads")
+    home = tmp_path / "hf_home"
+    command = [sys.executable, "-m", "megarl.cli", "convert", "--from", "hf", "--to", "mcore", "--no-progress"]
+    with HubStandIn({"megarl-test/tiny-qwen3": model}) as hub:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+        env |= {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(home), "HF_HUB_DISABLE_TELEMETRY": "1"}
+        run = lambda src, dst: subprocess.run([*command, src, str(dst)], env=env, capture_output=True, text=True)  # noqa: E731
+        done = run("megarl-test/tiny-qwen3", tmp_path / "mcore")
+        assert done.returncode == 0, done.stderr[-3000:]
+        snapshot = home / "hub" / "models--megarl-test--tiny-qwen3" / "snapshots" / SERVED
+        fetched = sorted(p.name for p in snapshot.iterdir())
+        assert fetched == sorted(p.name for p in model.iterdir() if p.suffix != ".bin")
+        downloads = [path for method, path in hub.requests if method == "GET" and "/resolve/" in path]
+        assert len(downloads) == len(fetched)
+        assert done.stdout.startswith(f"wrote {tmp_path / 'mcore'}:")
+        again = run(f"megarl-test/tiny-qwen3@{SERVED}", tmp_path / "mcore2")  # from the cache: nothing downloaded
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert [p for m, p in hub.requests if m == "GET" and "/resolve/" in p] == downloads
+        absent = run("megarl-test/absent", tmp_path / "x")
+        assert absent.returncode == 2
+        assert "there is no model 'megarl-test/absent' on the Hub (or it is private: set HF_TOKEN)" in absent.stderr
+        revision = run("megarl-test/tiny-qwen3@v9", tmp_path / "y")
+        assert revision.returncode == 2 and "megarl-test/tiny-qwen3 has no revision 'v9'" in revision.stderr
