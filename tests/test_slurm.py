@@ -137,6 +137,7 @@ class SlurmCluster:
         hardware = subprocess.run(["slurmd", "-C"], capture_output=True, text=True).stdout.splitlines()[0]
         cpus = int(next(f for f in hardware.split() if f.startswith("CPUs=")).split("=")[1])
         munge_socket = root / "munge.socket"
+        # cred_expire: how long a requeued job waits before it may start again (Slurm's default 120 s)
         (root / "slurm.conf").write_text(
             f"""ClusterName=megarl-test
 SlurmctldHost={host}
@@ -145,7 +146,7 @@ SlurmdPort={_free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={munge_socket}
+AuthInfo=socket={munge_socket},cred_expire=20
 CredType=cred/munge
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
@@ -418,8 +419,6 @@ def test_time_limit_warning_checkpoints_requeues_and_the_next_start_resumes(slur
         _wait(lambda: slurm.job(job_id).get("Restarts") == "1", 240, "the job to be requeued")
     except TimeoutError:
         raise AssertionError(f"{slurm.job(job_id)}\n{logs()}") from None
-    # Slurm holds a requeued job for about 2 minutes (its BeginTime); as an admin would, start it now
-    slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
     finished = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
     try:
         job = _wait(
@@ -452,7 +451,8 @@ def test_time_limit_warning_checkpoints_requeues_and_the_next_start_resumes(slur
 
 SRUN_SHIM = """#!/bin/bash
 # pyxis stand-in: record every srun call's container options, run the step with the real srun without them
-printf '%s %s\\n' "$(date +%s.%N)" "$*" >> "$SHIM_LOG"
+line="$*"
+printf '%s %s\\n' "$(date +%s.%N)" "${line//$'\\n'/ }" >> "$SHIM_LOG"   # one line per call
 args=()
 for arg in "$@"; do
     case $arg in --container-*|--no-container-mount-home) ;; *) args+=("$arg") ;; esac
@@ -464,22 +464,23 @@ exec "$REAL_SRUN" "${args[@]}"
 def test_with_a_container_each_node_creates_it_once_before_the_concurrent_steps(slurm, tmp_path):
     """pyxis races when concurrent steps create the same named container: the template creates the container once
     per node in a step of its own, and every later step (the Ray nodes, the wait, the entry command, running at the
-    same time) joins it by name. No pyxis here: an `srun` shim on PATH records each step's container options and
-    runs it without them."""
+    same time) joins it by name. With a container the entry command runs under `srun`: Slurm's SIGUSR1 must still
+    reach it (srun forwards it). No pyxis here: an `srun` shim on PATH records each step's container options and
+    runs it with the real srun without them."""
     shim_dir = tmp_path / "shim"
     shim_dir.mkdir()
     (shim_dir / "srun").write_text(SRUN_SHIM)
     (shim_dir / "srun").chmod(0o755)
     calls = tmp_path / "srun_calls.log"
-    program = tmp_path / "check_cluster.py"
-    program.write_text(CHECK_CLUSTER)
+    program = tmp_path / "wait_for_usr1.py"
+    program.write_text(WAIT_FOR_USR1)
     config = tmp_path / "job.yaml"
     config.write_text("run: {name: slurm-container}\n")
-    out = tmp_path / "result.json"
+    ready, got = tmp_path / "ready", tmp_path / "got"
     job_id, job_dir = run_job(
         slurm,
         tmp_path,
-        f"{sys.executable} {program} --out {out}",
+        f"{sys.executable} {program} {ready} {got}",
         config,
         MEGARL_CONTAINER_IMAGE="/images/megarl.sqsh",
         MEGARL_CONTAINER_MOUNTS="/lustre/data:/data:ro",
@@ -487,16 +488,37 @@ def test_with_a_container_each_node_creates_it_once_before_the_concurrent_steps(
         SHIM_LOG=str(calls),
         REAL_SRUN=shutil.which("srun"),
     )
+    log = lambda: (job_dir / "logs" / "sbatch.log").read_text()  # noqa: E731
+    try:
+        _wait(ready.exists, 240, "the entry command to start")
+    except TimeoutError:
+        raise AssertionError(f"{slurm.job(job_id)}\n{log()}") from None
+    slurm.run("scancel", "--batch", "--signal=USR1", job_id)
     job = wait_done(slurm, job_id, 240)
-    assert job["JobState"] == "COMPLETED", (job, (job_dir / "logs" / "sbatch.log").read_text())
-    assert json.loads(out.read_text())["nodes"] == 2
+    assert job["JobState"] == "COMPLETED", (job, log())
+    assert got.read_text() == "SIGUSR1 after joining 2 Ray nodes"  # through the template and srun
     steps = [line.split(" ", 1)[1] for line in calls.read_text().splitlines()]
     name = f"--container-name=megarl-{job_id}-0"
     create, *joins = steps
-    assert "--container-image=/images/megarl.sqsh" in create and name in create and " true" in create
+    assert "--container-image=/images/megarl.sqsh" in create and name in create and create.endswith(" true")
     assert "--ntasks-per-node=1" in create  # once per node
     assert len(joins) == 3  # the Ray nodes, the wait for them, the entry command
     for step in joins:
         assert name in step and "--container-image" not in step, step
         assert f"--container-mounts={job_dir}:{job_dir},{tmp_path}:{tmp_path},/lustre/data:/data:ro" in step
     _wait(lambda: not job_processes(job_id), 60, "the job's processes to exit")
+
+
+WAIT_FOR_USR1 = """
+import pathlib, signal, sys, time
+import ray
+ray.init(address="auto")
+nodes = len([n for n in ray.nodes() if n["Alive"]])
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+pathlib.Path(sys.argv[1]).write_text("ready")
+deadline = time.monotonic() + 120
+while not got and time.monotonic() < deadline:
+    time.sleep(0.2)
+pathlib.Path(sys.argv[2]).write_text(f"SIGUSR1 after joining {nodes} Ray nodes" if got else "no signal")
+"""
