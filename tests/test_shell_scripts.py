@@ -4,7 +4,6 @@ Info-level notes count too: a template that admins read and edit has none to wad
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -29,10 +28,10 @@ def test_script_is_shellcheck_clean(script):
 
 
 def test_the_ray_node_script_inside_the_template_is_shellcheck_clean(tmp_path):
-    body = re.search(r"<<'NODE'\n(.*?)^NODE$", SBATCH.read_text(), re.MULTILINE | re.DOTALL).group(1)
-    assert body.startswith("#!/bin/bash\n") and "ray start" in body
-    script = tmp_path / "ray_node.sh"
-    script.write_text(body)
+    from test_ray_node_script import node_script
+
+    script = node_script(tmp_path)
+    assert script.read_text().startswith("#!/bin/bash\n") and "ray start" in script.read_text()
     result = shellcheck(script)
     assert result.returncode == 0, result.stdout
 

@@ -36,10 +36,12 @@ def path_field(kind: PathKind, default: Any = dataclasses.MISSING, default_facto
 def anchor_paths(schema: type, data: dict[str, Any], folder: Path) -> None:
     """Make the relative paths in `data` (one config file's content, shaped like `schema`) relative to `folder`,
     in place."""
+    from megarl.config.schema import field_types
+
     if not (dataclasses.is_dataclass(schema) and isinstance(data, dict)):
         return
     fields = {f.name: f for f in dataclasses.fields(schema)}
-    hints = _resolved_types(schema)
+    types = field_types(schema)
     for name, value in data.items():
         spec = fields.get(name)
         if spec is None:
@@ -48,7 +50,7 @@ def anchor_paths(schema: type, data: dict[str, Any], folder: Path) -> None:
         if kind is not None:
             data[name] = _anchor(kind, value, folder, data)
         else:
-            anchor_paths(_dataclass_in(hints.get(name)), value, folder)
+            anchor_paths(_dataclass_in(types.get(name)), value, folder)
 
 
 def _anchor(kind: PathKind, value: Any, folder: Path, section: dict[str, Any]) -> Any:
@@ -58,26 +60,13 @@ def _anchor(kind: PathKind, value: Any, folder: Path, section: dict[str, Any]) -
         return value
     if kind == "spec":
         target, sep, name = value.rpartition(":")
-        return (
-            f"{folder / target}{sep}{name}"
-            if sep and target.endswith(".py") and not Path(target).is_absolute()
-            else value
-        )
+        return f"{os.path.normpath(folder / target)}{sep}{name}" if sep and target.endswith(".py") else value
     if kind == "model":
         from megarl.checkpoint.hub import HUB_ID_RE
 
         if HUB_ID_RE.match(value) and not (folder / value).exists() and not section.get("init"):
             return value  # a Hub id
     return os.path.normpath(folder / value)  # configs/../runs/x reads as runs/x in messages and config.yaml
-
-
-def _resolved_types(schema: type) -> dict[str, Any]:
-    import typing
-
-    try:
-        return typing.get_type_hints(schema)
-    except Exception:  # a forward reference that does not resolve: no nested anchoring below this class
-        return {}
 
 
 def _dataclass_in(tp: Any) -> Any:

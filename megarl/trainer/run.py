@@ -57,7 +57,7 @@ def _stop_signals_outside_steps() -> Iterator[None]:
     def stop(signum, frame):
         raise SignalOutsideSteps(signum)
 
-    requeue = [signum for signum, code in STOP_SIGNALS.items() if signum != signal.SIGINT]
+    requeue = [signum for signum in STOP_SIGNALS if signum != signal.SIGINT]
     previous = {signum: signal.signal(signum, stop) for signum in requeue}
     try:
         yield
