@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.runtime.device import collective_device
+from megarl.runtime.distributed import all_reduce
 from megarl.workers.config import OptimizerSettings
 
 
@@ -222,7 +223,7 @@ def _finite_on_every_rank(grad_norm: float) -> bool:
     """All ranks of the role agree to step or to skip (with a distributed optimizer each DP rank holds only its
     shard of the gradients, so ranks could see different norms)."""
     flag = torch.tensor([0.0 if math.isfinite(grad_norm) else 1.0], device=collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    all_reduce(flag, op=dist.ReduceOp.MAX)
     return not bool(flag.item())
 
 
@@ -252,11 +253,11 @@ def global_grad_norm(params: list[torch.Tensor], grads: list[torch.Tensor]) -> f
         else torch.zeros(1, dtype=torch.float64, device=device)
         for grads in counted
     )
-    dist.all_reduce(dense, group=ps.get_model_parallel_group())
+    all_reduce(dense, group=ps.get_model_parallel_group())
     if ps.get_expert_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
-        dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
     else:
-        dist.all_reduce(expert, group=ps.get_pipeline_model_parallel_group())
+        all_reduce(expert, group=ps.get_pipeline_model_parallel_group())
     return math.sqrt(float(dense + expert))  # one deliberate host sync per step: the skip decision needs it
 
 

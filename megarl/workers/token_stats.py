@@ -14,6 +14,7 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 from megarl.bridge.mappings import VocabInfo
+from megarl.runtime.distributed import all_reduce
 
 
 def _mask_padded_vocab(logits_BSV: torch.Tensor, vocab: VocabInfo) -> torch.Tensor:
@@ -38,11 +39,18 @@ def token_logprobs(
 ) -> torch.Tensor:
     """log p(token t | tokens < t) from prepared logits (see `prepare_logits`); differentiable. Packed rows
     (`position_ids_BS`, megarl/data/packing.py): 0 at every sample's first token too."""
-    targets_SB = torch.roll(ids_BS, shifts=-1, dims=1).transpose(0, 1).contiguous()  # logits at t predict t + 1
+    targets_BS = torch.roll(ids_BS, shifts=-1, dims=1)  # logits at t predict t + 1
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        # the whole vocabulary on this rank: torch's fused loss (no copy, no collectives; the same numbers)
+        vocab_size = logits_BSV.shape[-1]
+        nll = torch.nn.functional.cross_entropy(
+            logits_BSV.reshape(-1, vocab_size), targets_BS.reshape(-1), reduction="none"
+        )
+        return align_to_tokens(-nll.view_as(targets_BS), position_ids_BS)
     # Megatron's loss wants [seq, batch, vocab] and works in place on it: always give it a copy (for one row,
     # transpose().contiguous() would be a view, and the caller's logits would change under it).
     logits_SBV = logits_BSV.transpose(0, 1).clone(memory_format=torch.contiguous_format)
-    logprobs = -vocab_parallel_cross_entropy(logits_SBV, targets_SB)
+    logprobs = -vocab_parallel_cross_entropy(logits_SBV, targets_BS.transpose(0, 1).contiguous())
     return align_to_tokens(logprobs.transpose(0, 1), position_ids_BS)
 
 
@@ -53,7 +61,7 @@ def token_entropy(logits_BSV: torch.Tensor, position_ids_BS: torch.Tensor | None
     """
     local_max = logits_BSV.max(dim=-1, keepdim=True).values.detach()
     global_max = local_max.clone()
-    torch.distributed.all_reduce(global_max, op=torch.distributed.ReduceOp.MAX, group=_tp_group())
+    all_reduce(global_max, op=torch.distributed.ReduceOp.MAX, group=_tp_group())
     shifted = logits_BSV - global_max
     exp = shifted.exp()
     sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1, keepdim=True))

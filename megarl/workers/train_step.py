@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megarl.data.batch import Batch
 from megarl.runtime import faults
 from megarl.runtime.device import collective_device
+from megarl.runtime.distributed import all_reduce
 from megarl.workers.role_model import RoleModel
 from megarl.workers.schedule import gpt_output, packing_multiple, run_schedule, schedule_shape, split_micro_batches
 
@@ -107,9 +108,9 @@ def _reduce_metrics(payloads: list[dict[str, Any]]) -> dict[str, float]:
         sums = torch.where(is_max, torch.maximum(sums, values), sums + values)
     if payloads:
         maxima = sums.clone() if is_max.any() else None
-        dist.all_reduce(sums, group=ps.get_data_parallel_group())
+        all_reduce(sums, group=ps.get_data_parallel_group())
         if maxima is not None:  # a second collective only for steps that report a maximum
-            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+            all_reduce(maxima, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
             sums = torch.where(is_max, maxima, sums)
     sums = _broadcast_tensor_from_last_stage(sums)
     values = sums.tolist()  # one host sync per optimizer step, for logging
