@@ -89,7 +89,31 @@ def test_refit_benchmark_runs_at_a_tiny_size(bench_modules, tmp_path):
         )
         assert set(row[path]["extra_memory"]) == {"actor rank 0", "actor rank 1", "engine"}
     assert row["now"]["returned"][0]["buckets"] > 1  # 64 KiB buckets: the stream is cut
-    assert out.is_file()
+    # the headline is the table's "% of memcpy" of the trainer's sync
+    assert result["fraction_of_memcpy"] == round(result["memcpy_s"][1] / row["sync"]["seconds"], 4)
+    assert json.loads(out.read_text())["fraction_of_memcpy"] == result["fraction_of_memcpy"]
+
+
+def test_convert_benchmark_headline_is_the_slower_direction_over_the_copy():
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import convert
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+
+    def result(model, hf_to_mcore, mcore_to_hf, error=""):
+        runs = [
+            dict(step="hf -> mcore (--tp 2)", seconds=hf_to_mcore, rss_gb=0.5, error=""),
+            dict(step="mcore -> hf", seconds=mcore_to_hf, rss_gb=0.5, error=error),
+            dict(step="mbridge: load HF into Megatron + save HF", seconds=1.0, rss_gb=None, error="NameError"),
+        ]
+        return dict(model=model, model_gb=2.0, copy_s=4.0, imports_s=2.0, imports_rss_gb=0.4, runs=runs)
+
+    # moe: the slower of 10 s and 12 s over a 4 s copy; without the 2 s of imports, 10 / 4; mbridge's failure is
+    # not megarl's; dense failed one way: no headline for it
+    headline = convert.headline([result("moe", 10.0, 12.0), result("dense", 8.0, 9.0, error="Traceback")])
+    assert headline == {"moe_x_copy": 3.0, "moe_x_copy_without_imports": 2.5}
+    assert "| mcore -> hf | 12.0 | 3.00 | 2.50 | 0.50 | 25% | 5% |" in convert.table(result("moe", 10.0, 12.0))
 
 
 def test_fp8_refit_benchmark_reports_the_bytes_saved(tmp_path):

@@ -229,6 +229,68 @@ def test_a_failed_disk_sync_quarantines_and_removes_its_folder(tmp_path):
     assert methods(rollout)[-1] == "abandon_weight_update" and not (tmp_path / "v1").exists()
 
 
+def test_host_roads_send_each_bucket_on_a_thread_while_the_next_is_exported(monkeypatch, tmp_path):
+    """The disk road's real file writes run on the sender thread: bucket 0's write starts only once bucket 1 is being
+    exported (it would wait forever if the two ran one after the other), and the files and samples are as before."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    from megarl.workers import weight_sync
+    from megarl.workers.sync_route import EngineTarget, SyncRoute
+    from megarl.workers.weight_sync import SenderState, send_weights
+
+    second_exported, writers = threading.Event(), []
+    write = weight_sync._write_bucket
+
+    def export(bridge, dtypes, bucket_bytes):
+        yield BUCKETS[0]
+        second_exported.set()
+        yield BUCKETS[1]
+
+    def slow_write(bucket, folder, state):
+        writers.append(threading.current_thread().name)
+        if bucket is BUCKETS[0]:
+            assert second_exported.wait(timeout=30), "the export of bucket 1 did not overlap the write of bucket 0"
+        write(bucket, folder, state)
+
+    monkeypatch.setattr(weight_sync, "export_hf_weights", export)
+    monkeypatch.setattr(weight_sync, "_write_bucket", slow_write)
+    route = SyncRoute("disk", (EngineTarget("w0", ()),), disk_dir=str(tmp_path))
+    model = type("Model", (), {"bridge": None, "hf_dtypes": torch.float32})()
+    stats = send_weights(model, route, 1, 1 << 20, SenderState())
+    assert all(name.startswith("megarl-weight-sender") for name in writers) and len(writers) == 2
+    files = sorted(tmp_path.iterdir())
+    assert [f.name for f in files] == ["rank00000-000000.safetensors", "rank00000-000001.safetensors"]
+    for file, bucket in zip(files, BUCKETS):
+        assert {n: t.tolist() for n, t in load_file(file).items()} == {n: t.tolist() for n, t in bucket}
+    assert [name for name, _ in stats["samples"]] == ["model.layers.0.input_layernorm.weight", "model.norm.weight"]
+    assert (stats["tensors"], stats["buckets"]) == (4, 2)
+
+
+def test_a_failure_on_the_sender_thread_fails_the_sync_and_stops_sending(monkeypatch, tmp_path):
+    from megarl.workers import weight_sync
+    from megarl.workers.sync_route import EngineTarget, SyncRoute
+    from megarl.workers.weight_sync import SenderState, send_weights
+
+    attempts = []
+
+    def failing_write(bucket, folder, state):
+        attempts.append(bucket[0][0])
+        if len(attempts) == 2:
+            raise OSError("No space left on device")
+
+    monkeypatch.setattr(weight_sync, "export_hf_weights", export_stub(BUCKETS * 3))
+    monkeypatch.setattr(weight_sync, "_write_bucket", failing_write)
+    route = SyncRoute("disk", (EngineTarget("w0", ()),), disk_dir=str(tmp_path))
+    model = type("Model", (), {"bridge": None, "hf_dtypes": torch.float32})()
+    with pytest.raises(OSError, match="No space left on device"):
+        send_weights(model, route, 1, 1 << 20, SenderState())
+    # of the six buckets, the export stops at the failure: at most the one queued behind it was tried as well
+    assert attempts[:2] == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"]
+    assert len(attempts) <= 3
+
+
 @pytest.mark.parametrize(
     ("choice", "mode", "pp", "nodes", "expected"),
     [

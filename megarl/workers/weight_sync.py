@@ -14,9 +14,10 @@ bucket and engine, the road (megarl/rollout/transports.py):
   each bucket directly (the engine copies the tensors into its model);
 - disk (engines across nodes, any number of sending ranks): each sending rank writes its buckets as safetensors
   files into the sync's folder on the run's shared file system; the controller then has every engine read it.
-Gathering the next bucket overlaps the engines applying the current one; at most two buckets are in flight, which
-bounds the memory beyond the model. The norm weights (rollout/engine.py VERIFY_PATTERN) are kept, as sent, for the
-controller to verify the engines against.
+Gathering the next bucket overlaps the engines applying the current one, and on the host roads (object store, disk)
+also the sending itself: a sender thread copies bucket k into the object store or writes its file while this
+thread exports bucket k + 1. At most two buckets are in flight, which bounds the memory beyond the model. The norm
+weights (rollout/engine.py VERIFY_PATTERN) are kept, as sent, for the controller to verify the engines against.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,10 @@ from megarl.workers.bucket_transport import device_uuid, pack_bucket, pack_bucke
 from megarl.workers.sync_route import SyncRoute
 
 MAX_BUCKETS_IN_FLIGHT = 2
+HOST_ROADS = frozenset({"object_store", "disk"})
+"""Roads whose sending is host work only (a copy into Ray's object store, a file write): it runs on a sender thread,
+overlapped with the export of the next bucket. The GPU roads (ipc, nccl) and the in-process copy stay on the
+exporting thread (one CUDA stream and one OpenMP team per process)."""
 
 
 @dataclass
@@ -57,30 +63,37 @@ def send_weights(
     "buckets", "seconds", "ipc_engines", "in_process_engines", "samples"} of what this rank sent ("samples": the
     norm weights, on CPU, when `keep_samples`: the controller verifies this sync)."""
     start = time.perf_counter()
-    in_flight: deque[tuple[list, object]] = deque()
+    in_flight: deque[InFlight] = deque()
     sent_bytes = sent_tensors = num_buckets = 0
     roads = _roads(route)
     samples: Bucket = []
     verify = re.compile(VERIFY_PATTERN)
     fp8 = BlockFP8.from_config(route.quantization, "rollout.weights_format") if route.quantization else None
+    sender = ThreadPoolExecutor(1, "megarl-weight-sender") if roads and set(roads) <= HOST_ROADS else None
     try:
         with torch.no_grad():
             for bucket in export_hf_weights(model.bridge, model.hf_dtypes, bucket_bytes):
                 if fp8 is not None:
                     bucket = quantize_bucket(bucket, fp8)
                 while len(in_flight) >= MAX_BUCKETS_IN_FLIGHT:
-                    _wait(in_flight.popleft()[0])
-                in_flight.append(_send_bucket(bucket, route, roads, state))
+                    _wait(in_flight.popleft())
+                if sender is not None:
+                    in_flight.append(sender.submit(_send_bucket, bucket, route, roads, state))
+                else:
+                    in_flight.append(_send_bucket(bucket, route, roads, state))
                 if keep_samples:
                     samples += [(name, t.detach().cpu().clone()) for name, t in bucket if verify.search(name)]
                 sent_bytes += sum(t.nbytes for _, t in bucket)
                 sent_tensors += len(bucket)
                 num_buckets += 1
         while in_flight:
-            _wait(in_flight.popleft()[0])
+            _wait(in_flight.popleft())
     except BaseException:
         close_sender(state)  # a half-used NCCL group is not reused
         raise
+    finally:
+        if sender is not None:  # nothing left running after a failure: later buckets are dropped
+            sender.shutdown(wait=True, cancel_futures=True)
     return {
         "bytes": float(sent_bytes),
         "tensors": float(sent_tensors),
@@ -179,7 +192,13 @@ def _connect_sender(route: SyncRoute):
     return sender
 
 
-def _wait(calls: list) -> None:
+InFlight = tuple[list, object] | Future
+"""A bucket on its way: what `_send_bucket` returned, or its future on the sender thread."""
+
+
+def _wait(item: InFlight) -> None:
+    """Until the engines have the bucket (a failure on the sender thread is raised here)."""
+    calls = (item.result() if isinstance(item, Future) else item)[0]
     if not calls:  # (ray.get([]) would start a Ray instance in a process that has none)
         return
     import ray

@@ -1,17 +1,20 @@
 """Benchmark `megarl convert` on generated models: a dense Llama of 1.55 B parameters (3.1 GB in bf16) and a
 DeepSeek-V3-shaped MoE (MLA, 64 routed experts + 1 shared, group-limited sigmoid routing) of 1.0 B (2.0 GB).
 
-    python tools/bench/convert.py [--models dense,moe] [--workdir /tmp/megarl-bench] [--mbridge]
+    python tools/bench/convert.py [--models dense,moe] [--workdir /tmp/megarl-bench] [--mbridge] [--json out.json]
 
 For each model and direction: wall time and peak RSS of the converting process, next to the time of plainly
 copying the same safetensors files with fsync (what the disk allows). Targets: conversion within 3x the copy; peak
 RSS under 40% of the model's size (dense) and 25% (MoE). --mbridge also times mbridge (`pip install --no-deps
-mbridge`) loading the HF checkpoint into Megatron and saving it back, or says why it cannot run here.
+mbridge`) loading the HF checkpoint into Megatron and saving it back, or says why it cannot run here. --json writes
+the headline numbers ({"moe_x_copy": ..., "dense_x_copy": ...: the slower direction's wall time over the copy's;
+the same without the imports every run pays, `*_x_copy_without_imports`) and every run's numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -135,7 +138,9 @@ def startup_cost() -> tuple[float, float]:
     return seconds, rss
 
 
-def bench(name: str, work: Path, with_mbridge: bool) -> list[str]:
+def bench(name: str, work: Path, with_mbridge: bool) -> dict:
+    """Generate model `name`, copy it, convert it both ways: {"model", "model_gb", "copy_s", "imports_s",
+    "imports_rss_gb", "runs": [{"step", "seconds", "rss_gb", "error"}]}."""
     hf, mcore, back = work / f"{name}-hf", work / f"{name}-mcore", work / f"{name}-hf-back"
     print(f"generating the {name} model in {hf} ...", flush=True)
     generate(hf, MODELS[name])
@@ -143,7 +148,6 @@ def bench(name: str, work: Path, with_mbridge: bool) -> list[str]:
     copy_s = timed_copy(hf, work / "copy")
     convert = [sys.executable, "-m", "megarl.cli", "convert", "--no-progress"]
     runs = [
-        ("plain copy of the safetensors (fsync)", copy_s, None, ""),
         (
             f"hf -> mcore ({' '.join(CONVERT_FLAGS[name])})",
             *timed_process(*convert, "--from", "hf", "--to", "mcore", str(hf), str(mcore), *CONVERT_FLAGS[name]),
@@ -157,40 +161,72 @@ def bench(name: str, work: Path, with_mbridge: bool) -> list[str]:
                 *timed_process(sys.executable, "-c", MBRIDGE_SCRIPT, str(hf), str(work / f"{name}-mbridge")),
             )
         )
-    start_s, start_rss = startup_cost()
+    imports_s, imports_rss = startup_cost()
+    for folder in (hf, mcore, back, work / f"{name}-mbridge"):
+        shutil.rmtree(folder, ignore_errors=True)
+    return dict(
+        model=name,
+        model_gb=model_gb,
+        copy_s=copy_s,
+        imports_s=imports_s,
+        imports_rss_gb=imports_rss,
+        runs=[dict(step=step, seconds=seconds, rss_gb=rss, error=error) for step, seconds, rss, error in runs],
+    )
+
+
+def table(result: dict) -> list[str]:
+    name, model_gb, copy_s = result["model"], result["model_gb"], result["copy_s"]
+    start_s, start_rss = result["imports_s"], result["imports_rss_gb"]
     rows = [
         f"\n{name}: {model_gb:.2f} GB of bf16 safetensors; RSS target {RSS_TARGET[name]:.0%} of that. Imports alone "
         f"(in every run): {start_s:.1f} s and {start_rss:.2f} GB.",
         "| step | wall s | x copy | x copy without imports | peak RSS GB | RSS / model | RSS above imports / model |",
         "|---|---|---|---|---|---|---|",
+        f"| plain copy of the safetensors (fsync) | {copy_s:.1f} | 1.00 | | | | |",
     ]
-    for step, seconds, rss, error in runs:
-        if error:
-            rows.append(f"| {step} | failed: {error[:160]} | | | | | |")
-        elif rss is None:
-            rows.append(f"| {step} | {seconds:.1f} | 1.00 | | | | |")
-        else:
-            rows.append(
-                f"| {step} | {seconds:.1f} | {seconds / copy_s:.2f} | {(seconds - start_s) / copy_s:.2f} | {rss:.2f} | "
-                f"{rss / model_gb:.0%} | {(rss - start_rss) / model_gb:.0%} |"
-            )
-    for folder in (hf, mcore, back, work / f"{name}-mbridge"):
-        shutil.rmtree(folder, ignore_errors=True)
+    for run in result["runs"]:
+        if run["error"]:
+            rows.append(f"| {run['step']} | failed: {run['error'][:160]} | | | | | |")
+            continue
+        seconds, rss = run["seconds"], run["rss_gb"]
+        rows.append(
+            f"| {run['step']} | {seconds:.1f} | {seconds / copy_s:.2f} | {(seconds - start_s) / copy_s:.2f} | "
+            f"{rss:.2f} | {rss / model_gb:.0%} | {(rss - start_rss) / model_gb:.0%} |"
+        )
     return rows
 
 
-def main() -> None:
+def headline(results: list[dict]) -> dict[str, float]:
+    """Per model: the slower megarl direction over the copy (`<model>_x_copy`), and the same without the imports
+    (`<model>_x_copy_without_imports`); a model whose conversion failed has no entry."""
+    out = {}
+    for result in results:
+        runs = [r for r in result["runs"] if r["step"].startswith(("hf ->", "mcore ->"))]
+        if not runs or any(r["error"] for r in runs):
+            continue
+        slowest = max(r["seconds"] for r in runs)
+        out[f"{result['model']}_x_copy"] = round(slowest / result["copy_s"], 3)
+        out[f"{result['model']}_x_copy_without_imports"] = round((slowest - result["imports_s"]) / result["copy_s"], 3)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
     parser.add_argument("--workdir", default="/tmp/megarl-bench")
     parser.add_argument("--mbridge", action="store_true", help="also time mbridge on the same models")
-    args = parser.parse_args()
+    parser.add_argument("--json", default=None, help="write the headline numbers and every run here")
+    args = parser.parse_args(argv)
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    report = [row for name in args.models.split(",") for row in bench(name.strip(), work, args.mbridge)]
-    print("\n".join(report))
+    results = [bench(name.strip(), work, args.mbridge) for name in args.models.split(",")]
+    print("\n".join(row for result in results for row in table(result)))
     shutil.rmtree(work, ignore_errors=True)
+    summary = headline(results) | {"results": results}
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return summary
 
 
 if __name__ == "__main__":

@@ -3,15 +3,19 @@ engine, on CPU, at several bucket sizes, next to the memcpy bandwidth of the sam
 
     python tools/bench/refit.py [--bucket-mb 64,128,256,512,1024] [--reps 3] [--json results.json]
 
+--json writes every number, headed by `fraction_of_memcpy` (the fastest trainer sync's bandwidth over memcpy's).
+
 The path is the trainer's own: Ray worker groups built as megarl/trainer/roles.py builds them in colocated mode (an
 actor `MegatronWorker` group of 2 ranks at TP=2, trainable, and one `RolloutWorker` with the hf engine, sharing
 two logical GPUs), and a sync is `begin_weight_update` / `sync_weights` / `finish_weight_update`, exactly as the
 trainer calls them (megarl/workers/weight_sync.py: export with the TP shards gathered on the sending rank, each
-tensor sent as a NumPy view of its bytes (megarl/workers/bucket_transport.py), `ray.put`, `apply_packed_bucket.remote`,
-two buckets in flight). Alongside, for the profile, an instrumented copy of that loop (timers around the TP gathers,
-the rest of the export, `ray.put`, the waits, and on the engine the deserialization and `apply_bucket`) in three
-variants: `before` (each bucket pickled as torch tensors, every TP rank all-gathering every parameter: the trainer's
-path until 2026-11-22), `fix 1 alone` (NumPy transport, all-gather), `now` (the trainer's path); and
+tensor sent as a NumPy view of its bytes (megarl/workers/bucket_transport.py), `ray.put` and
+`apply_packed_bucket.remote` on a sender thread while the next bucket is exported, two buckets in flight).
+Alongside, for the profile, an instrumented copy of that loop (timers around the TP gathers, the rest of the export,
+`ray.put`, the waits, and on the engine the deserialization and `apply_bucket`) in three variants: `before` (each
+bucket pickled as torch tensors, every TP rank all-gathering every parameter: the trainer's path until 2026-11-22),
+`fix 1 alone` (NumPy transport, all-gather), `now` (the trainer's path, but sending on the exporting thread, so that
+its parts add up); and
 - `export only`: the export stream on the actor ranks, buckets dropped (TP gather, HF layout, bucketing);
 - `engine apply only`: the engine's `apply_bucket` on buckets already in its process (the copy into the model).
 
@@ -435,6 +439,8 @@ def run(args) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     sent = rows[0]["sync"]["returned"]
     return {
+        # the headline: the trainer's fastest sync over memcpy of the same bytes on one thread (the table's %)
+        "fraction_of_memcpy": round(memcpy[1] / min(row["sync"]["seconds"] for row in rows), 4),
         "model_bytes": model_bytes,
         "sent_bytes": sum(s["bytes"] for s in sent),
         "memcpy_s": memcpy,
