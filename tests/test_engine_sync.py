@@ -190,6 +190,43 @@ def test_the_sending_side_starts_no_ray_of_its_own():
     assert not ray.is_initialized()  # the tests above sent over nccl only: no Ray call, no Ray instance
 
 
+class Pending:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self, timeout_s=None):
+        return self.value
+
+
+class AsyncGroup(Group):
+    def async_call(self, method: str, *args, **kwargs):
+        return Pending(self.call(method, *args, **kwargs))
+
+
+def test_a_hybrid_sync_started_behind_the_update_is_waited_for_not_sent_again():
+    received = SyncStats(1, 1, 8, 0.1)
+    norm = [("model.norm.weight", torch.ones(4))]
+    actor = AsyncGroup({"sync_into_engine": [{"sent": sent(norm), "received": received}]}, workers=1)
+    rollout = Group({"device_uuids": [[]], "sglang_endpoint": [None], "verify_weights": [[]]}, workers=1)
+    state = TrainerState()
+    sync = WeightSync(Roles(actor, rollout), state, RolloutConfig(verify_sync="first"), "in_process")
+    sync.start()
+    sync.start()  # once per version
+    assert [c[0] for c in actor.calls] == ["sync_into_engine"] and actor.calls[0][2:] == (1, 2**29, True)
+    assert state.weight_version == 0  # the new version is the engines' once the sync is waited for and verified
+    metrics = sync()
+    assert [c[0] for c in actor.calls] == ["sync_into_engine"]  # not sent twice
+    assert state.weight_version == 1 and metrics["sync/verified_tensors"] == 1.0
+    sync()  # not started: sent at the call, verify_sync=first keeps no samples now
+    assert [c[2:] for c in actor.calls] == [(1, 2**29, True), (2, 2**29, False)]
+
+
+def test_other_transports_start_nothing_ahead():
+    sync, actor, rollout = make("never")
+    sync.start()
+    assert actor.calls == [] and rollout.calls == []
+
+
 # ---- the disk road (engines across nodes) ----------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from megarl.cluster.worker_group import PendingCall
 from megarl.errors import RunFailure
 from megarl.rollout.config import RolloutConfig
 from megarl.trainer.roles import Roles
@@ -47,19 +48,37 @@ class WeightSync:
         self.route = None
         """How the weights travel (a SyncRoute), asked of the engines at the first sync."""
         self.num_syncs = 0
+        self._started: tuple[int, bool, PendingCall] | None = None
+        """A hybrid sync submitted ahead (`start`): its version, whether it keeps samples, the call."""
+
+    def start(self) -> None:
+        """A hybrid engine's next sync (a new version), submitted now: Ray runs an actor's calls in order, so the
+        actor's worker starts it as soon as the calls already queued (the update) end, without a round trip
+        through the controller in between. The next `sync()` waits for it instead of sending it. Other transports
+        (several groups, a transaction around them) send nothing ahead."""
+        if self.transport != "in_process" or self._started is not None:
+            return
+        version, check = self.state.weight_version + 1, self._keeps_samples()
+        pending = self.roles.actor.async_call(
+            "sync_into_engine", self._ensure_route(), version, self.rollout.bucket_bytes, check
+        )
+        self._started = (version, check, pending)
 
     def __call__(self, new_version: bool = True) -> dict[str, float]:
         version = self.state.weight_version + int(new_version)
         actor = self.roles.actor
-        if self.route is None:
-            self.route = self._route()
-        route, folder = self.route, None
+        route, folder = self._ensure_route(), None
         if self.transport == "disk":
             folder = self._fresh_folder(version)
             route = dataclasses.replace(route, disk_dir=str(folder))
-        verify = self.rollout.verify_sync
-        check = verify == "every" or (verify == "first" and self.num_syncs == 0)  # senders keep samples for it
-        if self.transport == "in_process":  # a hybrid engine: its worker runs the whole transaction in one call
+        check = self._keeps_samples()
+        started, self._started = self._started, None
+        if started is not None:  # submitted ahead by start(): the same version, or it is a bug here
+            if started[0] != version:
+                raise RuntimeError(f"weight sync: version {started[0]} was started, version {version} is asked for")
+            check, results = started[1], started[2].result()
+            sent, received = [r["sent"] for r in results], [r["received"] for r in results]
+        elif self.transport == "in_process":  # a hybrid engine: its worker runs the whole transaction in one call
             results = actor.call("sync_into_engine", route, version, self.rollout.bucket_bytes, check)
             sent, received = [r["sent"] for r in results], [r["received"] for r in results]
         else:
@@ -78,6 +97,16 @@ class WeightSync:
             "sync/in_process_engines": max(s["in_process_engines"] for s in sent),
             "sync/verified_tensors": float(verified),
         }
+
+    def _keeps_samples(self) -> bool:
+        """Whether this sync is verified (the senders keep the sampled norm weights for it)."""
+        verify = self.rollout.verify_sync
+        return verify == "every" or (verify == "first" and self.num_syncs == 0)
+
+    def _ensure_route(self):
+        if self.route is None:
+            self.route = self._route()
+        return self.route
 
     def _transaction(self, route, version: int, folder: Path | None, keep_samples: bool) -> tuple[list[dict], list]:
         """Begin on every engine, stream from every sending rank, finish: (what each rank sent, what each engine

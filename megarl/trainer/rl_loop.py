@@ -52,10 +52,11 @@ def run_rl(
         metrics.update(logprob_metrics | advantage_metrics)
         with steps.phase("update"):
             train_actor = steps.state.step >= rl.critic_warmup_steps
+            # a hybrid engine's sync queued right behind the last update, when no handover comes in between
+            then = None if handover.enabled else sync.start
+            step = steps.state.global_step
             metrics.update(
-                rl_steps.update(
-                    config, roles, batch, actor_loss, critic_loss, temperature, train_actor, steps.state.global_step
-                )
+                rl_steps.update(config, roles, batch, actor_loss, critic_loss, temperature, train_actor, step, then)
             )
         with steps.phase("sync"):
             metrics.update(handover.to_rollout(sync))  # colocated: the engines take the GPUs back

@@ -7,7 +7,7 @@ logged. Shapes: B rows (prompt groups contiguous), S columns.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -168,13 +168,15 @@ def update_actor(
     temperature: float,
     norm_len: int,
     balance: bool = True,
+    after_submit: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """One optimizer step on a mini-batch; loss weights from the policy loss's aggregation over this mini-batch;
-    rows balanced over the DP ranks (balance/* metrics)."""
+    rows balanced over the DP ranks (balance/* metrics). `after_submit` runs once the update is on its way to the
+    workers, before its answer (e.g. the weight sync queued behind it: WeightSync.start)."""
     config = algorithm.policy_loss
     weights = loss_weights(config.aggregation, batch["response_mask"], config.norm_len or norm_len)
     batch, _, balance_metrics = balanced_for(batch.with_tensors(loss_weights=weights), roles.actor, balance)
-    metrics = roles.actor.call(
+    pending = roles.actor.async_call(
         "update_policy",
         batch,
         loss_fn,
@@ -182,6 +184,9 @@ def update_actor(
         dispatch="dp_split",
         collect="rank0",
     )
+    if after_submit is not None:
+        after_submit()
+    metrics = pending.result()
     routing = {"rollout/routing_replayed": metrics.pop("routing_replayed")} if "routing_replayed" in metrics else {}
     # mismatch/* come from the loss when the update measured them (no old-log-prob pass)
     named = {name if name.startswith("mismatch/") else f"actor/{name}": value for name, value in metrics.items()}
@@ -234,21 +239,26 @@ def update(
     temperature: float,
     train_actor: bool = True,
     step: int = 0,
+    after_last_actor_update: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """rl.ppo_epochs passes over the batch in rl.mini_batches mini-batches (one optimizer step each), the prompt
     groups reshuffled into mini-batches each epoch (seeded by run.seed, the global `step` and the epoch); the
-    critic trains every step, the actor when `train_actor` (after rl.critic_warmup_steps)."""
+    critic trains every step, the actor when `train_actor` (after rl.critic_warmup_steps).
+    `after_last_actor_update`: run once the step's last actor update is submitted (see update_actor)."""
     rl, algorithm = config.rl, config.algorithm
     norm_len = config.rollout.sampling.max_new_tokens
     if algorithm.routing_replay == "off":
         batch = without_routing(batch)  # live routing in the updates
     updates = []
     for epoch in range(rl.ppo_epochs):
-        for mini in mini_batches(batch, rl.mini_batches, sample_seed(sample_seed(config.run.seed, step), epoch)):
+        seed = sample_seed(sample_seed(config.run.seed, step), epoch)
+        for index, mini in enumerate(mini_batches(batch, rl.mini_batches, seed)):
             metrics = {}
             if critic_loss is not None:
                 metrics |= update_critic(mini, roles, critic_loss, algorithm, norm_len, rl.balance_dp)
             if train_actor:
-                metrics |= update_actor(mini, roles, actor_loss, algorithm, temperature, norm_len, rl.balance_dp)
+                last = epoch == rl.ppo_epochs - 1 and index == rl.mini_batches - 1
+                then = after_last_actor_update if last else None
+                metrics |= update_actor(mini, roles, actor_loss, algorithm, temperature, norm_len, rl.balance_dp, then)
             updates.append(metrics)
     return average(updates)
