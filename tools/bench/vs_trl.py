@@ -1,7 +1,7 @@
 """The same GRPO job in megarl and in Hugging Face TRL's GRPOTrainer, side by side on this machine.
 
-    python tools/bench/vs_trl.py [--hidden 64] [--layers 2] [--new-tokens 8] [--prompts 8] [--n 8] [--steps 12]
-        [--warmup 4] [--json results.json] [--only megarl|trl]
+    python tools/bench/vs_trl.py [--hidden 128] [--layers 4] [--new-tokens 8] [--prompts 8] [--n 8] [--steps 12]
+        [--warmup 4] [--repeats 1] [--json results.json] [--only megarl|trl]
 
 One checkpoint is generated for both (Qwen2-shaped, fp32, the quickstart's character tokenizer; `--hidden 64
 --layers 2` is the 594k-parameter model of issue 19, `--hidden 512 --layers 8 --new-tokens 128` one where compute
@@ -11,7 +11,8 @@ answer reward. megarl runs `megarl train` (a local Ray instance, one actor worke
 colocated); TRL runs GRPOTrainer (its own generate, the same 2 cores). TRL is optional: without it (`pip install
 trl`) only megarl runs.
 
-Reported: start-up (process start to the end of the first step) and the per-step wall time (median and mean after
+Reported: start-up (process start to the end of the first step), teardown (end of the last step to the process's
+exit: megarl saves its final checkpoint there, TRL here saves nothing) and the per-step wall time (median and mean after
 `--warmup` steps): megarl's `timing/step_s` from metrics.jsonl, TRL's from a callback at every optimizer step.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -88,6 +90,7 @@ ASYNC_OVERRIDES = [
 def run_megarl(work: Path, model: Path, args, overrides: list[str] | None = None, name: str = "megarl") -> dict:
     overrides = args.set if overrides is None else overrides
     run_dir = work / f"{name.replace(' ', '_')}_run"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a repeat starts fresh, not from the last run's checkpoint
     config = work / f"{name.replace(' ', '_')}.yaml"
     config.write_text(
         MEGARL_CONFIG.format(
@@ -101,10 +104,10 @@ def run_megarl(work: Path, model: Path, args, overrides: list[str] | None = None
             threads=os.cpu_count(),
         )
     )
-    start = time.perf_counter()
+    start = time.time()
     command = [sys.executable, "-m", "megarl.cli", "train", "--config", str(config), *overrides]
     subprocess.run(command, check=True, cwd=work)
-    total = time.perf_counter() - start
+    end = time.time()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "timing/step_s" in r]
     times = [r["timing/step_s"] for r in steps]
@@ -113,7 +116,9 @@ def run_megarl(work: Path, model: Path, args, overrides: list[str] | None = None
         for name in steps[-1]
         if name.startswith("timing/") and name != "timing/step_s"
     }
-    return _summary(name, times, total - sum(times[1:]), args.warmup) | {"phases": phases}
+    # a step's record is written when it ends ("time": wall clock)
+    startup, teardown = steps[0]["time"] - start, end - steps[-1]["time"]
+    return _summary(name, times, startup, teardown, args.warmup) | {"phases": phases}
 
 
 TRL_SCRIPT = """\
@@ -132,12 +137,13 @@ def exact_answer(completions, label, **_):
 
 class StepTimes(TrainerCallback):
     def __init__(self):
-        self.times, self.last = [], None
+        self.times, self.ends, self.last = [], [], None
     def on_step_begin(self, args, state, control, **kw):
         self.last = self.last or time.perf_counter()
     def on_step_end(self, args, state, control, **kw):
         now = time.perf_counter()
         self.times.append(now - self.last)
+        self.ends.append(time.time())
         self.last = now
 
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -154,7 +160,7 @@ trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=config, train
                       processing_class=tokenizer, callbacks=[timer])
 ready = time.perf_counter()
 trainer.train()
-json.dump({{"times": timer.times, "ready": ready}}, open(out, "w"))
+json.dump({{"times": timer.times, "ends": timer.ends, "ready": ready}}, open(out, "w"))
 """
 
 
@@ -166,19 +172,22 @@ def run_trl(work: Path, model: Path, args) -> dict | None:
         return None
     script, out = work / "trl_run.py", work / "trl_times.json"
     script.write_text(TRL_SCRIPT.format())
-    start = time.perf_counter()
+    start = time.time()
     command = [sys.executable, str(script), str(model), str(PROMPTS), str(args.n), str(args.new_tokens)]
     subprocess.run([*command, str(args.prompts), str(args.steps), str(out)], check=True, cwd=work)
-    total = time.perf_counter() - start
-    times = json.loads(out.read_text())["times"]
-    return _summary("trl", times, total - sum(times[1:]), args.warmup)
+    end = time.time()
+    result = json.loads(out.read_text())
+    ends = result["ends"]
+    return _summary("trl", result["times"], ends[0] - start, end - ends[-1], args.warmup)
 
 
-def _summary(name: str, times: list[float], startup: float, warmup: int) -> dict:
+def _summary(name: str, times: list[float], startup: float, teardown: float, warmup: int) -> dict:
+    """startup: process start to the end of the first step; teardown: end of the last step to process exit."""
     measured = times[warmup:]
     return dict(
         name=name,
         startup_s=round(startup, 2),
+        teardown_s=round(teardown, 2),
         step_median_s=round(statistics.median(measured), 4),
         step_mean_s=round(statistics.mean(measured), 4),
         step_spread=round((max(measured) - min(measured)) / statistics.median(measured), 3),
@@ -207,46 +216,58 @@ def main() -> None:
         "--set", nargs="*", default=[], help="megarl config overrides, e.g. actor.micro_batch.packing=false"
     )
     parser.add_argument("--json", help="write the headline numbers here")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run both trainers this many times each, alternating which goes first (megarl, TRL, TRL, megarl, ...: "
+        "a drift of the machine's speed falls on both alike); the headline pools the runs",
+    )
     args = parser.parse_args()
+    runs: dict[str, list[dict]] = {"megarl": [], "trl": []}
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
         work = Path(tmp)
         model = build_checkpoint(work, args.hidden, args.layers)
         params = _num_parameters(model)
-        results = {}
-        if args.only != "trl":
-            results["megarl"] = run_megarl(work, model, args)
-            if args.async_too:
+        extra = {}
+        for repeat in range(args.repeats):
+            order = ["megarl", "trl"] if repeat % 2 == 0 else ["trl", "megarl"]
+            for trainer in order:
+                if args.only not in (None, trainer):
+                    continue
+                result = run_megarl(work, model, args) if trainer == "megarl" else run_trl(work, model, args)
+                if result is not None:
+                    runs[trainer].append(result)
+            if repeat == 0 and args.async_too and args.only != "trl":
                 overrides = [*ASYNC_OVERRIDES, *args.set]
-                results["megarl_async"] = run_megarl(work, model, args, overrides, "megarl one-step-off async")
-        if args.only != "megarl":
-            trl = run_trl(work, model, args)
-            if trl is not None:
-                results["trl"] = trl
+                extra["megarl_async"] = run_megarl(work, model, args, overrides, "megarl one-step-off async")
     print(
         f"\nmodel: {params / 1e3:.0f}k parameters (hidden {args.hidden}, {args.layers} layers); "
         f"{args.prompts} prompts x {args.n} samples, {args.new_tokens} new tokens\n"
     )
-    print("| trainer | start-up s | step median s | step mean s | spread (max-min)/median |")
-    print("|---|---|---|---|---|")
-    for r in results.values():
-        print(f"| {r['name']} | {r['startup_s']} | {r['step_median_s']} | {r['step_mean_s']} | {r['step_spread']} |")
-    for key in ("megarl", "megarl_async"):
-        if key not in results:
-            continue
-        phases = results[key]["phases"].items()
-        print(f"\n{results[key]['name']} phases (median s): " + ", ".join(f"{k[7:]} {v:.4f}" for k, v in phases))
-    headline = {"params": params} | {
-        f"{k}_{m}": r[m] for k, r in results.items() for m in ("step_median_s", "startup_s")
-    }
-    if "trl" in results and "megarl" in results:
-        headline["megarl_over_trl"] = round(results["megarl"]["step_median_s"] / results["trl"]["step_median_s"], 3)
-        print(f"\nmegarl / TRL per step: {headline['megarl_over_trl']}")
-    if "trl" in results and "megarl_async" in results:
-        ratio = results["megarl_async"]["step_median_s"] / results["trl"]["step_median_s"]
+    print("| trainer | start-up s | teardown s | step median s | step mean s | spread (max-min)/median |")
+    print("|---|---|---|---|---|---|")
+    for r in [*runs["megarl"], *runs["trl"], *extra.values()]:
+        cells = [r[k] for k in ("name", "startup_s", "teardown_s", "step_median_s", "step_mean_s", "step_spread")]
+        print("| " + " | ".join(map(str, cells)) + " |")
+    for r in [*runs["megarl"][:1], *extra.values()]:
+        print(f"\n{r['name']} phases (median s): " + ", ".join(f"{k[7:]} {v:.4f}" for k, v in r["phases"].items()))
+    headline: dict = {"params": params, "repeats": args.repeats}
+    for name, results in [*runs.items(), *((k, [v]) for k, v in extra.items())]:
+        for m in ("step_median_s", "startup_s", "teardown_s"):
+            if results:  # over repeats: the median of the runs' own values
+                headline[f"{name}_{m}"] = round(statistics.median(r[m] for r in results), 4)
+    if runs["megarl"] and runs["trl"]:
+        pairs = [m["step_median_s"] / t["step_median_s"] for m, t in zip(runs["megarl"], runs["trl"])]
+        headline["pair_ratios"] = [round(x, 3) for x in pairs]
+        headline["megarl_over_trl"] = round(headline["megarl_step_median_s"] / headline["trl_step_median_s"], 3)
+        print(f"\nmegarl / TRL per step: {headline['megarl_over_trl']} (runs side by side: {headline['pair_ratios']})")
+    if runs["trl"] and "megarl_async" in extra:
+        ratio = extra["megarl_async"]["step_median_s"] / headline["trl_step_median_s"]
         headline["megarl_async_over_trl"] = round(ratio, 3)
         print(f"megarl one-step-off async / TRL per step: {headline['megarl_async_over_trl']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(headline | {"results": results}, indent=1))
+        Path(args.json).write_text(json.dumps(headline | {"results": runs | extra}, indent=1))
 
 
 def _num_parameters(model: Path) -> int:
