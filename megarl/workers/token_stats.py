@@ -41,7 +41,7 @@ def token_logprobs(
     (`position_ids_BS`, megarl/data/packing.py): 0 at every sample's first token too."""
     targets_BS = torch.roll(ids_BS, shifts=-1, dims=1)  # logits at t predict t + 1
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        # the whole vocabulary on this rank: torch's fused loss (no copy, no collectives; the same numbers)
+        # the whole vocabulary on this rank: torch's fused loss (no copy, no collectives; equal to float rounding)
         vocab_size = logits_BSV.shape[-1]
         nll = torch.nn.functional.cross_entropy(
             logits_BSV.reshape(-1, vocab_size), targets_BS.reshape(-1), reduction="none"
