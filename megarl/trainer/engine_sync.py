@@ -12,12 +12,15 @@ import dataclasses
 import logging
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from megarl.cluster.worker_group import PendingCall
 from megarl.errors import RunFailure
 from megarl.rollout.config import RolloutConfig
 from megarl.trainer.roles import Roles
 from megarl.trainer.run_checkpoint import TrainerState
+
+if TYPE_CHECKING:
+    from megarl.cluster.worker_group import PendingCall
 
 log = logging.getLogger("megarl")
 

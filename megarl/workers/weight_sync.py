@@ -43,6 +43,8 @@ HOST_ROADS = frozenset({"object_store", "disk"})
 """Roads whose sending is host work only (a copy into Ray's object store, a file write): it runs on a sender thread,
 overlapped with the export of the next bucket. The GPU roads (ipc, nccl) and the in-process copy stay on the
 exporting thread (one CUDA stream and one OpenMP team per process)."""
+InFlight = tuple[list, object] | Future
+"""A bucket on its way: what `_send_bucket` returned, or its future on the sender thread."""
 
 
 @dataclass
@@ -190,10 +192,6 @@ def _connect_sender(route: SyncRoute):
     )
     sender.connect()
     return sender
-
-
-InFlight = tuple[list, object] | Future
-"""A bucket on its way: what `_send_bucket` returned, or its future on the sender thread."""
 
 
 def _wait(item: InFlight) -> None:
