@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.data.packing import pack_groups, pack_rows, packed_attention_index, positions_in_samples, unpack_row
+from megarl.data.packing import pack_groups, pack_rows, packed_attention_index, positions_in_samples, unpacked_index
 
 
 def test_pack_groups_fill_the_budget_in_order():
@@ -29,8 +29,11 @@ def test_pack_rows_lays_real_tokens_end_to_end():
     assert wide["cu_seqlens"].tolist() == [0, 3, 5, 8]
     assert wide["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
     assert pack_rows(tensors, [3, 2], multiple=4)["cu_seqlens"].tolist() == [0, 3, 5, 8]
-    first, second = unpack_row(torch.arange(8.0)[None], [3, 2])
-    assert first.tolist() == [0, 1, 2] and second.tolist() == [3, 4]
+    rows, columns = unpacked_index([7, 2], [3, 2])  # batch rows 7 and 2 packed in that order
+    assert rows.tolist() == [7, 7, 7, 2, 2] and columns.tolist() == [0, 1, 2, 0, 1]
+    padded = torch.zeros(8, 4)
+    padded[rows, columns] = torch.arange(1.0, 9.0)[None][0, :5]
+    assert padded[7].tolist() == [1, 2, 3, 0] and padded[2].tolist() == [4, 5, 0, 0]
 
 
 def test_packed_attention_index_is_sample_by_sample():

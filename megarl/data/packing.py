@@ -46,9 +46,11 @@ def pack_rows(
     if target < total:
         raise ValueError(f"packed width {target} is shorter than the {total} tokens of its samples")
     packed = {}
+    # the real tokens of every row, row after row: one indexing op per tensor (not one slice per row and tensor)
+    real = torch.arange(full) < torch.tensor(list(lengths))[:, None]
     for name, t in tensors.items():
         if t.dim() >= 2 and t.shape[1] == full:
-            row = torch.cat([t[i, :length] for i, length in enumerate(lengths)])
+            row = t[real.to(t.device)]
             if target > total:
                 row = torch.cat([row, row.new_zeros(target - total, *row.shape[1:])])
             packed[name] = row.unsqueeze(0)
@@ -72,9 +74,13 @@ def positions_in_samples(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Ten
     )
 
 
-def unpack_row(values: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
-    """A packed per-token result [1, T, ...] -> one tensor [length, ...] per sample."""
-    return list(values[0, : sum(lengths)].split(list(lengths)))
+def unpacked_index(rows: Sequence[int], lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) in the right-padded batch of each token of a packed row whose samples are batch rows `rows`
+    with `lengths` real tokens: `padded[row, column] = packed[0, :T]` unpacks it in one op."""
+    sizes = torch.tensor(list(lengths))
+    bounds = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
+    total = int(bounds[-1])
+    return torch.tensor(list(rows)).repeat_interleave(sizes, output_size=total), positions_in_samples(bounds, total)
 
 
 def packed_attention_index(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, int, int]:

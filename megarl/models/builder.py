@@ -82,9 +82,10 @@ def build_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from megarl.models import packed_rope
+    from megarl.models import packed_rope, plain_linear
 
     packed_rope.install()  # packed micro-batches' RoPE without a per-sample loop
+    plain_linear.install()  # linear layers that need no tensor-parallel communication: no Python backward
     spec = arch.to_mcore(hf_config)
     backend = "local" if meta else spec_backend
     overrides = dict(config_overrides or {})

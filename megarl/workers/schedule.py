@@ -26,7 +26,7 @@ import torch
 
 from megarl.data.batch import Batch
 from megarl.data.micro_batches import fixed_shape_groups, token_budget_groups
-from megarl.data.packing import pack_groups, pack_rows, unpack_row
+from megarl.data.packing import pack_groups, pack_rows, unpacked_index
 
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]
 StepFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, LossFn]]
@@ -261,8 +261,8 @@ def scatter_rows(
     out = first.new_zeros((num_rows, width, *first.shape[2:]))
     for micro_batch, payload in zip(micro_batches, payloads):
         if micro_batch.rows and micro_batch.lengths is not None:
-            for row, values in zip(micro_batch.rows, unpack_row(payload[name], micro_batch.lengths)):
-                out[row, : values.shape[0]] = values
+            rows, columns = unpacked_index(micro_batch.rows, micro_batch.lengths)
+            out[rows, columns] = payload[name][0, : len(rows)]  # one op, not one per row
         elif micro_batch.rows:
             values = payload[name][: len(micro_batch.rows)]  # padding rows (fixed shapes) are dropped
             out[micro_batch.rows, : values.shape[1]] = values
