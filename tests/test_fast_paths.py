@@ -55,3 +55,21 @@ def test_parallel_linear_layers_use_f_linear_only_when_no_communication_is_asked
         kwargs = plain | {"grad_output_buffer": None, name: value}
         assert forward_impl(None, x, w, bias=b, **kwargs) == "megatron"
         assert calls[-1] == kwargs | {"bias": b}
+
+
+def test_tensor_parallel_regions_are_the_input_itself_over_one_rank():
+    from megarl.models.plain_linear import _identity_over_one_rank
+
+    class Group:
+        def __init__(self, size):
+            self._size = size
+
+        def size(self):
+            return self._size
+
+    calls = []
+    region = _identity_over_one_rank(lambda input_, group: calls.append(group) or "megatron")
+    x = torch.ones(2)
+    assert region(x, Group(1)) is x and calls == []
+    two = Group(2)
+    assert region(x, two) == "megatron" and calls == [two]
