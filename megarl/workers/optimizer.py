@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megarl.runtime import cpu_compat
 from megarl.runtime.device import collective_device
 from megarl.runtime.distributed import all_reduce
 from megarl.workers.config import OptimizerSettings
@@ -78,6 +79,12 @@ class RoleOptimizer(ABC):
     def step(self) -> StepResult:
         """Check the global gradient norm; skip (every rank) if it is non-finite, else clip and apply the gradients
         in the DDP buffers. The LR schedule advances either way."""
+        # plain torch on the role's own device: without the CPU compatibility mode's Python call on each of its
+        # ~300 tensor calls and attribute reads (0.7 ms a step at the quickstart size; nothing when CUDA is present)
+        with cpu_compat.paused():
+            return self._step()
+
+    def _step(self) -> StepResult:
         lr, grads = self.lr, [_grad_of(p) for p in self.params]
         grad_norm = global_grad_norm(self.params, grads)
         self.num_steps += 1
