@@ -73,3 +73,14 @@ def test_tensor_parallel_regions_are_the_input_itself_over_one_rank():
     assert region(x, Group(1)) is x and calls == []
     two = Group(2)
     assert region(x, two) == "megatron" and calls == [two]
+
+
+
+def test_rope_positions_of_shared_prompt_samples_continue_after_the_shared_tokens():
+    from megarl.data.packing import SharedPrefix
+    from megarl.models.packed_rope import rope_positions
+
+    cu = torch.tensor([0, 6, 8, 12], dtype=torch.int32)
+    assert rope_positions(cu, 12).tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 0, 1, 2, 3]
+    cu.shared_prefix = SharedPrefix(torch.tensor([0, 3, 3]), torch.tensor([0, 0, 0]))
+    assert rope_positions(cu, 12).tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 3, 4, 5, 6]

@@ -24,6 +24,7 @@ from worker_ranks import (
 from megarl.algorithms.aggregation import loss_weights
 from megarl.data.batch import Batch
 from megarl.runtime.parallel import ParallelConfig
+from megarl.workers.schedule import split_micro_batches
 
 DENSE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2)]
 MOE_LAYOUTS = [ParallelConfig(ep=2), ParallelConfig(tp=2, ep=2), ParallelConfig(pp=2, ep=2)]
@@ -241,9 +242,43 @@ def test_packed_logprobs_and_updates_equal_padded_ones(ranks4, hf_checkpoint, na
         assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
 
 
-def test_packed_critic_equals_padded(ranks4, hf_checkpoint):
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [
+        ("tiny-qwen3", (1, 1, 1)),
+        ("tiny-qwen3", (2, 1, 1)),
+        ("tiny-qwen3-moe", (1, 1, 1)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else layout_id(v),
+)
+def test_shared_prompts_give_the_numbers_of_padded_rows(ranks4, hf_checkpoint, name, layout):
+    """GRPO's groups (4 samples per prompt): packed rows lay each prompt once (megarl/data/packing.py); log-probs,
+    entropies, the loss, the gradient norm and the weights after two updates are those of padded rows."""
+    folder = str(hf_checkpoint(name))
+    batch = random_batch(16, vocab_size=1000, seed=11, samples_per_prompt=4)
+    micro_batches = split_micro_batches(batch, 64, packing=True, share_prompts=True)
+    assert any(mb.shared and sum(mb.shared) > 0 for mb in micro_batches)  # the batch does share
+    packed = collect(ranks4.run(policy_logprobs, folder, layout, batch, 1.0, 64, True))
+    padded = collect(ranks4.run(policy_logprobs, folder, layout, batch, 1.0, 64, False))
+    where = real_positions(batch)
+    assert (packed["logprobs"] - padded["logprobs"])[where].abs().max() < 1e-5
+    assert (packed["entropy"] - padded["entropy"])[where].abs().max() < 1e-5
+    assert packed["logprobs"][~where].abs().max() == 0
+    weights = loss_weights("token-mean", batch["response_mask"])
+    history, sent = (ranks4.run(one_update, folder, layout, batch, weights, 64, 2, p) for p in (True, False))
+    sent_packed = {n: t for _, rank_sent in history for n, t in rank_sent}
+    sent_padded = {n: t for _, rank_sent in sent for n, t in rank_sent}
+    worst = max((sent_packed[n] - sent_padded[n]).abs().max().item() for n in sent_padded)
+    assert worst < 1e-5, f"largest weight difference {worst:.2e}"
+    for mine, ref in zip(history[0][0], sent[0][0]):
+        assert mine["loss"] == pytest.approx(ref["loss"], abs=1e-6)
+        assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("samples_per_prompt", [1, 3], ids=["own-prompts", "shared-prompts"])
+def test_packed_critic_equals_padded(ranks4, hf_checkpoint, samples_per_prompt):
     folder = str(hf_checkpoint("tiny-qwen3"))
-    batch = random_batch(6, vocab_size=1000, seed=8)
+    batch = random_batch(6, vocab_size=1000, seed=8, samples_per_prompt=samples_per_prompt)
     packed = collect(ranks4.run(critic_values, folder, (1, 2, 1), batch, 64, True))
     padded = collect(ranks4.run(critic_values, folder, (1, 2, 1), batch, 64, False))
     assert (packed - padded)[batch["attention_mask"].bool()].abs().max() < 1e-5

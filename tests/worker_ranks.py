@@ -8,10 +8,14 @@ from helpers import as_parallel
 from megarl.data.batch import Batch
 
 
-def random_batch(num_rows: int, vocab_size: int, seed: int = 0, max_len: int = 40) -> Batch:
-    """Right-padded prompt+response rows of random tokens and lengths, with masks and per-token RL fields."""
+def random_batch(
+    num_rows: int, vocab_size: int, seed: int = 0, max_len: int = 40, samples_per_prompt: int = 1
+) -> Batch:
+    """Right-padded prompt+response rows of random tokens and lengths, with masks and per-token RL fields;
+    `samples_per_prompt` consecutive rows with the same prompt (GRPO's groups)."""
     g = torch.Generator().manual_seed(seed)
     prompt_lens = torch.randint(3, 12, (num_rows,), generator=g)
+    prompt_lens = prompt_lens[torch.arange(num_rows) // samples_per_prompt * samples_per_prompt]
     response_lens = torch.randint(1, max_len - 12, (num_rows,), generator=g)
     width = int((prompt_lens + response_lens).max())
     input_ids = torch.zeros(num_rows, width, dtype=torch.long)
@@ -20,6 +24,8 @@ def random_batch(num_rows: int, vocab_size: int, seed: int = 0, max_len: int = 4
     for i in range(num_rows):
         p, r = int(prompt_lens[i]), int(response_lens[i])
         input_ids[i, : p + r] = torch.randint(1, vocab_size, (p + r,), generator=g)
+        if i % samples_per_prompt:
+            input_ids[i, :p] = input_ids[i - 1, :p]
         attention[i, : p + r] = 1
         response[i, p : p + r] = 1
     advantages = torch.randn(num_rows, 1, generator=g) * response

@@ -9,13 +9,29 @@ every sample's numbers are those it would have alone in a padded batch.
 
 Per-token tensors are those with the batch's token width as their second dimension; other tensors (one value per
 row) keep one row per sample.
+
+Shared prompts (GRPO's n samples of a prompt side by side): a row that begins with the same prompt tokens as the
+row before it lays only what follows all but the last of them (`shared` tokens fewer); its attention reads the
+shared tokens' keys and values from its root (the nearest row before it that lays all its tokens), and its RoPE
+positions start at `shared`. Every response token is still predicted inside the row's own segment (the last
+prompt token is laid again), and the numbers are those of the row alone. `segment_shared` [n] and `segment_root`
+[n] (the root's sample index) say so; `position_ids` count from 0 in every segment, as without sharing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """A packed row's shared prompts, per sample (segment): tokens taken from the root, the root's sample index."""
+
+    shared: torch.Tensor
+    root: torch.Tensor
 
 
 def pack_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -35,19 +51,49 @@ def pack_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
+def shared_prompt_lengths(input_ids: torch.Tensor, lengths: Sequence[int], response_mask: torch.Tensor) -> list[int]:
+    """For rows to be laid in this order: the leading tokens each row can take from its root instead of laying
+    them again (0: the row is a root). A row shares all but the last of the prompt tokens it has in common with the
+    row before it and, through it, with their root; fewer than two in common: it is a root itself."""
+    width = input_ids.shape[1]
+    has_response = response_mask.bool().any(dim=1)
+    prompt = torch.where(has_response, response_mask.bool().int().argmax(dim=1), torch.tensor(list(lengths)))
+    limit = torch.minimum(prompt[1:], prompt[:-1])[:, None]
+    same = (input_ids[1:] == input_ids[:-1]) & (torch.arange(width) < limit)
+    common = same.int().cumprod(dim=1).sum(dim=1).tolist()  # tokens row i has in common with row i - 1
+    shared, with_root = [0], None  # with_root: tokens the previous row has in common with its root
+    for tokens in common:
+        tokens = tokens if with_root is None else min(tokens, with_root)
+        if tokens >= 2:
+            shared.append(tokens - 1)
+            with_root = tokens
+        else:
+            shared.append(0)
+            with_root = None
+    return shared
+
+
 def pack_rows(
-    tensors: dict[str, torch.Tensor], lengths: Sequence[int], width: int | None = None, multiple: int = 1
+    tensors: dict[str, torch.Tensor],
+    lengths: Sequence[int],
+    width: int | None = None,
+    multiple: int = 1,
+    shared: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The rows of `tensors` (right-padded, [r, S, ...]) packed into one row of their real tokens; padded at the
-    end to `width` tokens when given, else to a multiple of `multiple` (sequence parallelism splits T by TP)."""
+    end to `width` tokens when given, else to a multiple of `multiple` (sequence parallelism splits T by TP).
+    shared: tokens each row takes from its root (`shared_prompt_lengths`), not laid again."""
     full = tensors["input_ids"].shape[1]
-    total = sum(lengths)
+    skip = list(shared) if shared is not None else [0] * len(lengths)
+    laid = [length - k for length, k in zip(lengths, skip)]
+    total = sum(laid)
     target = width if width is not None else -(-total // multiple) * multiple
     if target < total:
         raise ValueError(f"packed width {target} is shorter than the {total} tokens of its samples")
     packed = {}
-    # the real tokens of every row, row after row: one indexing op per tensor (not one slice per row and tensor)
-    real = torch.arange(full) < torch.tensor(list(lengths))[:, None]
+    # the laid tokens of every row, row after row: one indexing op per tensor (not one slice per row and tensor)
+    columns = torch.arange(full)
+    real = (columns < torch.tensor(list(lengths))[:, None]) & (columns >= torch.tensor(skip)[:, None])
     for name, t in tensors.items():
         if t.dim() >= 2 and t.shape[1] == full:
             row = t[real.to(t.device)]
@@ -56,12 +102,19 @@ def pack_rows(
             packed[name] = row.unsqueeze(0)
         else:
             packed[name] = t
-    bounds = [0, *torch.tensor(list(lengths)).cumsum(0).tolist()]
+    bounds = [0, *torch.tensor(laid).cumsum(0).tolist()]
     if target > total:
         bounds.append(target)  # the padding: a sample of its own, attended by nobody else
     packed["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
     packed["sample_ends"] = torch.tensor(bounds[1 : len(lengths) + 1]) - 1  # one per sample: its last token
     packed["position_ids"] = positions_in_samples(packed["cu_seqlens"], target).unsqueeze(0)
+    if any(skip):
+        roots = []
+        for index, k in enumerate(skip):
+            roots.append(index if k == 0 else roots[-1])
+        padding = [0] * (len(bounds) - 1 - len(lengths))  # the padding sample shares nothing
+        packed["segment_shared"] = torch.tensor(skip + padding)
+        packed["segment_root"] = torch.tensor(roots + list(range(len(lengths), len(bounds) - 1)))
     return packed
 
 
@@ -74,13 +127,24 @@ def positions_in_samples(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Ten
     )
 
 
-def unpacked_index(rows: Sequence[int], lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, column) in the right-padded batch of each token of a packed row whose samples are batch rows `rows`
-    with `lengths` real tokens: `padded[row, column] = packed[0, :T]` unpacks it in one op."""
+def unpacked_index(
+    rows: Sequence[int], lengths: Sequence[int], shared: Sequence[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, column, source) for every real token of batch rows `rows` (`lengths` tokens each, packed in that
+    order): `padded[row, column] = packed[0, source]` unpacks a packed row in one op. With `shared` prompts a row's
+    first `shared + 1` columns come from its root (the values the row would have alone; its own first laid token
+    was predicted from the sample before it)."""
     sizes = torch.tensor(list(lengths))
+    skip = torch.tensor(list(shared)) if shared is not None else torch.zeros_like(sizes)
     bounds = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
     total = int(bounds[-1])
-    return torch.tensor(list(rows)).repeat_interleave(sizes, output_size=total), positions_in_samples(bounds, total)
+    sample = torch.arange(len(sizes)).repeat_interleave(sizes, output_size=total)
+    columns = positions_in_samples(bounds, total)
+    starts = torch.cat([sizes.new_zeros(1), (sizes - skip).cumsum(0)[:-1]])  # where each row's segment begins
+    roots = torch.cummax(torch.where(skip == 0, torch.arange(len(sizes)), 0), dim=0).values
+    k = skip[sample]
+    source = torch.where(columns <= k, starts[roots][sample] + columns, starts[sample] + columns - k)
+    return torch.tensor(list(rows)).repeat_interleave(sizes, output_size=total), columns, source
 
 
 def packed_attention_index(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, int, int]:

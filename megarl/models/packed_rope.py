@@ -20,26 +20,20 @@ from __future__ import annotations
 import torch
 
 from megarl.data.packing import positions_in_samples
+from megarl.models.forward_cache import cached
 
 megatron_thd = megatron_bshd = None
 """Megatron's own functions, once `install` replaced them."""
 
-_last: dict[str, tuple] = {}
-"""One entry per kind ("thd": packed frequencies, "bshd": cos and sin): the inputs of the last call (tensors held,
-so compared by identity) and what was computed from them. Every layer's queries and keys of a forward get the same
-frequency tensor (Megatron caches it per length) and the same cu_seqlens: computed once per forward, not 2 x
-layers times (1 ms of an 80 ms update at the quickstart size)."""
 
-
-def _cached(kind: str, key: tuple, compute):
-    # a tensor made under inference mode cannot be saved for a later backward: the mode is part of the key
-    key = (*key, torch.is_inference_mode_enabled())
-    last = _last.get(kind)
-    if last is not None and all(_same(a, b) for a, b in zip(last[0], key, strict=True)):
-        return last[1]
-    value = compute()
-    _last[kind] = (key, value)
-    return value
+def rope_positions(cu_seqlens: torch.Tensor, size: int) -> torch.Tensor:
+    """Each packed token's RoPE position: its place in its sample, after the tokens a shared-prompt sample takes
+    from its root (megarl/data/packing.py; gpt_output hangs the sharing on cu_seqlens)."""
+    positions = positions_in_samples(cu_seqlens, size)
+    sharing = getattr(cu_seqlens, "shared_prefix", None)
+    if sharing is not None:
+        positions = positions + sharing.shared.repeat_interleave(cu_seqlens.diff().long(), output_size=size)
+    return positions
 
 
 def _cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype, signed: bool = False):
@@ -48,10 +42,6 @@ def _cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype, signed: boo
         half = sin_.shape[-1] // 2
         sin_ = torch.cat([-sin_[..., :half], sin_[..., half:]], dim=-1)
     return cos_, sin_
-
-
-def _same(a, b) -> bool:
-    return a is b if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else a == b
 
 
 def install() -> None:
@@ -68,11 +58,11 @@ def install() -> None:
         if multi_latent_attention or freqs.shape[-1] != t.shape[-1]:  # partial RoPE, MLA: Megatron's own code
             return megatron_bshd(t, freqs, rotary_interleaved, multi_latent_attention, mscale)
         if rotary_interleaved:
-            cos_, sin_ = _cached("bshd", (freqs, mscale, t.dtype, True), lambda: _cos_sin(freqs, mscale, t.dtype))
+            cos_, sin_ = cached("bshd", (freqs, mscale, t.dtype, True), lambda: _cos_sin(freqs, mscale, t.dtype))
             return t * cos_ + rope_utils._rotate_half(t, rotary_interleaved) * sin_
         # rotate_half(t) = cat(-t2, t1) = roll(t, d/2) * [-1.. +1..]: the sign goes into the cached sine, one op
         # (a roll) instead of chunk, neg and cat forward and backward; the same numbers, bit for bit
-        cos_, signed_sin = _cached(
+        cos_, signed_sin = cached(
             "bshd", (freqs, mscale, t.dtype, False), lambda: _cos_sin(freqs, mscale, t.dtype, signed=True)
         )
         return t * cos_ + torch.roll(t, t.shape[-1] // 2, dims=-1) * signed_sin
@@ -86,7 +76,7 @@ def install() -> None:
         if cp_group is None or cp_group.size() != 1 or whole_row:
             return original(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
         size = t.size(0)
-        packed = _cached("thd", (freqs, cu_seqlens, size), lambda: freqs[positions_in_samples(cu_seqlens, size)])
+        packed = cached("thd", (freqs, cu_seqlens, size), lambda: freqs[rope_positions(cu_seqlens, size)])
         return rope_utils._apply_rotary_pos_emb_bshd(
             t.unsqueeze(1),
             packed,

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from megarl.data.packing import packed_attention_index
+from megarl.data.packing import packed_attention_index, positions_in_samples
+from megarl.models.forward_cache import cached
 
 
 class SDPACoreAttention(MegatronModule):
@@ -79,6 +80,9 @@ class SDPACoreAttention(MegatronModule):
     def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
         if params.qkv_format != "thd":
             raise NotImplementedError(f"SDPACoreAttention packs only the thd format, not {params.qkv_format!r}")
+        sharing = getattr(params, "shared_prefix", None)
+        if sharing is not None:
+            return self._shared_prompts(query, key, value, params.cu_seqlens_q, sharing)
         index, samples, longest = packed_attention_index(params.cu_seqlens_q)
         index = index.to(query.device)
 
@@ -98,3 +102,49 @@ class SDPACoreAttention(MegatronModule):
         )
         out = out.transpose(1, 2).reshape(samples * longest, -1)
         return out.index_select(0, index)
+
+    def _shared_prompts(self, query, key, value, cu_seqlens: torch.Tensor, sharing) -> torch.Tensor:
+        """Packed samples that take their first `shared` tokens from a root sample: each sample's slots are the
+        root's first `shared` tokens, then its own, so causal attention over the slots reads exactly the keys the
+        sample would have alone. Queries in the root's slots are computed and dropped."""
+        gather, slot_of_token, samples, width = shared_prompt_slots(cu_seqlens, sharing)
+
+        def slots(t: torch.Tensor) -> torch.Tensor:  # [tokens, h, d] -> [samples, h, width, d]; empty slots 0
+            padded = torch.cat([t, t.new_zeros(1, *t.shape[1:])]).index_select(0, gather)
+            return padded.view(samples, width, *t.shape[1:]).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            slots(query),
+            slots(key),
+            slots(value),
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=True,
+            scale=self.softmax_scale,
+            enable_gqa=key.shape[1] != query.shape[1],
+        )
+        return out.transpose(1, 2).reshape(samples * width, -1).index_select(0, slot_of_token)
+
+
+def shared_prompt_slots(cu_seqlens: torch.Tensor, sharing) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(gather, slot_of_token, samples, width) for `SDPACoreAttention._shared_prompts`: `gather[slot]` is the packed
+    token in each of the [samples * width] slots (the number of tokens for an empty slot: a zero row), and
+    `slot_of_token[t]` the slot of packed token t. The same for every layer of a forward: computed once."""
+    return cached("slots", (cu_seqlens,), lambda: _slots(cu_seqlens, sharing))
+
+
+def _slots(cu_seqlens: torch.Tensor, sharing) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    bounds = cu_seqlens.long()
+    starts, sizes = bounds[:-1], bounds.diff()
+    shared, root = sharing.shared.long(), sharing.root.long()
+    samples, total = len(sizes), int(bounds[-1])
+    width = int((sizes + shared).max())
+    slot = torch.arange(width, device=bounds.device)[None]  # [1, width]
+    own = slot - shared[:, None]
+    gather = torch.where(
+        slot < shared[:, None],
+        starts[root][:, None] + slot,
+        torch.where(own < sizes[:, None], starts[:, None] + own, total),
+    )
+    sample = torch.arange(samples, device=bounds.device).repeat_interleave(sizes, output_size=total)
+    slot_of_token = sample * width + shared[sample] + positions_in_samples(cu_seqlens, total)
+    return gather.reshape(-1), slot_of_token, samples, width

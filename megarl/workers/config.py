@@ -92,11 +92,12 @@ class MicroBatchSettings:
     """Pack each micro-batch's samples into one row with no padding (Megatron's THD layout; attention stays within
     each sample): log-probs, values, scores and updates of every role (a reward model's pairs stay in one
     micro-batch), and SFT. MoE passes that compare or replay rollout routing run padded rows (their per-sample
-    routing records are row-aligned); false: padded rows everywhere."""
+    routing records are row-aligned); false: padded rows everywhere. Where the model allows it, a packed sample
+    that repeats the prompt of the sample before it (GRPO's n samples) lays it once (megarl/data/packing.py)."""
     packing_min_padding: float = 0.1
-    """Pack only a batch whose padded rows would spend at least this share of their tokens on padding: rows of
-    about one length gain nothing from packing and pay for its index work (0: always pack). Expert-parallel ranks
-    always pack (they must agree and hold different rows)."""
+    """Pack only a batch whose padded rows would spend at least this share of their tokens on padding (or on
+    prompts packing would not lay again): rows of about one length gain nothing from packing and pay for its index
+    work (0: always pack). Expert-parallel ranks always pack (they must agree and hold different rows)."""
     forward_max_tokens: int = 0
     """Budget for forward-only passes (log-probs, values); 0 = 2 x max_tokens."""
 

@@ -62,9 +62,11 @@ class MegatronWorker(Worker):
 
     def _packing(self, batch: Batch) -> bool:
         """micro_batch.packing, for a batch where it pays (micro_batch.packing_min_padding)."""
-        from megarl.workers.schedule import packing_pays
+        from megarl.workers.schedule import packing_pays, shares_prompts
 
-        return self.micro_batch.packing and packing_pays(batch, self.micro_batch.packing_min_padding)
+        if not self.micro_batch.packing:
+            return False
+        return packing_pays(batch, self.micro_batch.packing_min_padding, shares_prompts(self.model.chunks))
 
     # -- policy (actor, ref) -------------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from megarl.workers.schedule import (
     run_schedule,
     scatter_rows,
     schedule_shape,
+    shares_prompts,
     split_micro_batches,
 )
 from megarl.workers.token_stats import prepare_logits, token_entropy, token_logprobs
@@ -60,7 +61,8 @@ def compute_logprobs(
     replay = model.routing_pass(routing, batch)
     packed = packing and replay is None
     shape = schedule_shape(model.chunks)
-    micro_batches = split_micro_batches(batch, max_tokens, shape, 1, packed, packing_multiple(model.chunks))
+    multiple, share = packing_multiple(model.chunks), shares_prompts(model.chunks)
+    micro_batches = split_micro_batches(batch, max_tokens, shape, 1, packed, multiple, share)
 
     def step(chunk: torch.nn.Module, tensors: dict[str, torch.Tensor]):
         if replay is not None:

@@ -22,7 +22,14 @@ from megarl.runtime import faults
 from megarl.runtime.device import collective_device
 from megarl.runtime.distributed import all_reduce
 from megarl.workers.role_model import RoleModel
-from megarl.workers.schedule import gpt_output, packing_multiple, run_schedule, schedule_shape, split_micro_batches
+from megarl.workers.schedule import (
+    gpt_output,
+    packing_multiple,
+    run_schedule,
+    schedule_shape,
+    shares_prompts,
+    split_micro_batches,
+)
 
 MetricSums = dict[str, tuple[torch.Tensor, torch.Tensor]]
 MAX_SUFFIX = "_max"
@@ -64,7 +71,8 @@ def train_step(
 
     model.zero_grad()
     shape, multiple = schedule_shape(model.chunks), packing_multiple(model.chunks)
-    micro_batches = split_micro_batches(batch, max_tokens, shape, rows_per_unit, packing, multiple)
+    share = shares_prompts(model.chunks)
+    micro_batches = split_micro_batches(batch, max_tokens, shape, rows_per_unit, packing, multiple, share)
 
     def step(chunk: torch.nn.Module, tensors: dict[str, torch.Tensor]):
         if before_forward is not None:

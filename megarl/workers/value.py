@@ -24,6 +24,7 @@ from megarl.workers.schedule import (
     run_schedule,
     scatter_rows,
     schedule_shape,
+    shares_prompts,
     split_micro_batches,
 )
 from megarl.workers.token_stats import align_to_tokens
@@ -50,7 +51,7 @@ def _forward_rows(
     model: RoleModel, batch: Batch, max_tokens: int, name: str, fn, packing: bool = False
 ) -> Batch | None:
     shape, multiple = schedule_shape(model.chunks), packing_multiple(model.chunks)
-    micro_batches = split_micro_batches(batch, max_tokens, shape, 1, packing, multiple)
+    micro_batches = split_micro_batches(batch, max_tokens, shape, 1, packing, multiple, shares_prompts(model.chunks))
 
     def step(chunk: torch.nn.Module, tensors: dict[str, torch.Tensor]):
         output = gpt_output(chunk, tensors)
