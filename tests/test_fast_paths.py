@@ -75,7 +75,6 @@ def test_tensor_parallel_regions_are_the_input_itself_over_one_rank():
     assert region(x, two) == "megatron" and calls == [two]
 
 
-
 def test_rope_positions_of_shared_prompt_samples_continue_after_the_shared_tokens():
     from megarl.data.packing import SharedPrefix
     from megarl.models.packed_rope import rope_positions
