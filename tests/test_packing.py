@@ -45,8 +45,8 @@ def test_pack_rows_lays_real_tokens_end_to_end():
 
 def test_rows_with_the_prompt_of_the_row_before_lay_it_once():
     """GRPO's samples of a prompt: the second and third row take all but the last prompt token from the first;
-    the fourth row's prompt begins with the same two tokens (it takes one); unpacking gives every row all its
-    columns back."""
+    the fourth row's prompt begins with the same two tokens only, so it starts a group of its own (its samples
+    would share its whole prompt); unpacking gives every row all its columns back."""
     ids = torch.tensor(
         [
             [1, 2, 3, 4, 10, 11, 0],
@@ -60,14 +60,18 @@ def test_rows_with_the_prompt_of_the_row_before_lay_it_once():
     for row, (start, length) in enumerate(zip([4, 4, 4, 3], lengths)):
         response[row, start:length] = 1
     shared = shared_prompt_lengths(ids, lengths, response)
-    assert shared == [0, 3, 3, 1]  # 4 prompt tokens in common: 3 shared, the last laid again; row 3: 2, 1 shared
-    assert shared_prompt_lengths(ids[[0, 3]], [6, 5], response[[0, 3]]) == [0, 1]
+    assert shared == [0, 3, 3, 0]  # 4 prompt tokens in common: 3 shared, the last laid again; row 3: a new group
+    assert shared_prompt_lengths(ids[[0, 3]], [6, 5], response[[0, 3]]) == [0, 1]  # a common template: shared
     assert shared_prompt_lengths(ids[[3, 0]] * torch.tensor([[1], [2]]), [5, 6], response[[3, 0]]) == [0, 0]
     packed = pack_rows({"input_ids": ids, "response_mask": response}, lengths, shared=shared)
-    assert packed["input_ids"].tolist() == [[1, 2, 3, 4, 10, 11, 4, 12, 4, 13, 14, 15, 2, 9, 16, 17]]
-    assert packed["cu_seqlens"].tolist() == [0, 6, 8, 12, 16]
-    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 0, 1, 2, 3, 0, 1, 2, 3]]
-    assert packed["segment_shared"].tolist() == [0, 3, 3, 1] and packed["segment_root"].tolist() == [0, 0, 0, 0]
+    assert packed["input_ids"].tolist() == [[1, 2, 3, 4, 10, 11, 4, 12, 4, 13, 14, 15, 1, 2, 9, 16, 17]]
+    assert packed["cu_seqlens"].tolist() == [0, 6, 8, 12, 17]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 0, 1, 2, 3, 0, 1, 2, 3, 4]]
+    assert packed["segment_shared"].tolist() == [0, 3, 3, 0] and packed["segment_root"].tolist() == [0, 0, 0, 3]
+    # rows after a root that shares only a template with its predecessor: the template chain goes on
+    template = torch.tensor([[7, 8, 1, 5], [7, 8, 2, 5], [7, 8, 3, 5]])
+    mask = torch.tensor([[0, 0, 0, 1]] * 3).float()
+    assert shared_prompt_lengths(template, [4, 4, 4], mask) == [0, 1, 1]
     rows, columns, source = unpacked_index([0, 1, 2, 3], lengths, shared)
     padded = torch.zeros_like(ids)
     padded[rows, columns] = packed["input_ids"][0, source]

@@ -54,7 +54,10 @@ def pack_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 def shared_prompt_lengths(input_ids: torch.Tensor, lengths: Sequence[int], response_mask: torch.Tensor) -> list[int]:
     """For rows to be laid in this order: the leading tokens each row can take from its root instead of laying
     them again (0: the row is a root). A row shares all but the last of the prompt tokens it has in common with the
-    row before it and, through it, with their root; fewer than two in common: it is a root itself."""
+    row before it and, through it, with their root. It is a root itself when it has fewer than two in common, or
+    fewer than the rows before it share with their root: a new prompt group (GRPO's next prompt after a common
+    template such as "Q: What is") lays its whole prompt once rather than each of its samples the part after the
+    template."""
     width = input_ids.shape[1]
     has_response = response_mask.bool().any(dim=1)
     prompt = torch.where(has_response, response_mask.bool().int().argmax(dim=1), torch.tensor(list(lengths)))
@@ -63,6 +66,8 @@ def shared_prompt_lengths(input_ids: torch.Tensor, lengths: Sequence[int], respo
     common = same.int().cumprod(dim=1).sum(dim=1).tolist()  # tokens row i has in common with row i - 1
     shared, with_root = [0], None  # with_root: tokens the previous row has in common with its root
     for tokens in common:
+        if with_root is not None and tokens < with_root:
+            tokens = 0  # the row leaves its predecessors' prompt early: a root of its own group
         tokens = tokens if with_root is None else min(tokens, with_root)
         if tokens >= 2:
             shared.append(tokens - 1)
