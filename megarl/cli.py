@@ -67,8 +67,8 @@ def _run_convert(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype, key="--dtype") if args.dtype else None
     direction = (args.src_format, args.dst_format)
     if direction == ("hf", "mcore"):
-        from converters.hf_to_mcore import convert_hf_to_mcore
         from megarl.checkpoint.hub import resolve_model_path
+        from megarl.conversion.hf_to_mcore import convert_hf_to_mcore
 
         args.src = resolve_model_path(args.src, "SRC")  # a Hub id: fetched into (or found in) the HF cache
 
@@ -86,7 +86,7 @@ def _run_convert(args: argparse.Namespace) -> int:
             args.src, args.dst, parallel, dtype, args.vocab_multiple, args.overwrite, not args.no_progress
         )
     elif direction == ("mcore", "hf"):
-        from converters.mcore_to_hf import convert_mcore_to_hf
+        from megarl.conversion.mcore_to_hf import convert_mcore_to_hf
 
         layout = (args.tp, args.pp, args.vpp, args.ep, args.etp, args.pp_first_stage_layers, args.pp_last_stage_layers)
         if layout != (1, 1, 1, 1, None, None, None):
@@ -131,11 +131,11 @@ def _add_train(commands) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     from megarl.config import load_config
-    from megarl.config.job import JobConfig
-    from megarl.trainer.run import dry_run, train
+    from megarl.job import JobConfig
+    from megarl.trainer.lifecycle.run import dry_run, train
 
     if args.dry_run:  # like `megarl plan`, also where the data files exist only on the cluster
-        from megarl.plan.command import load_for_planning
+        from megarl.plan_command import load_for_planning
 
         config, notes = load_for_planning(args.config, args.overrides)
         return dry_run(config, notes)
@@ -150,13 +150,14 @@ def _add_plan(commands) -> None:
         "and an estimate of one weight sync; exit 1 when something does not fit, naming the role and by how much.",
     )
     _add_job_arguments(plan)
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON object on stdout")
     plan.set_defaults(run=_run_plan)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from megarl.plan import plan_command
+    from megarl.plan_command import plan_command
 
-    return plan_command(args.config, args.overrides)
+    return plan_command(args.config, args.overrides, as_json=args.json)
 
 
 def _add_plot(commands) -> None:
@@ -166,7 +167,7 @@ def _add_plot(commands) -> None:
 
 
 def _plot_command(run_dir: str) -> int:
-    from megarl.trainer.plots import plot_command
+    from megarl.trainer.observability.plots import plot_command
 
     return plot_command(run_dir)
 

@@ -1,11 +1,19 @@
-"""Shared fixtures: long-lived gloo rank pools and tiny HF checkpoints built once per session.
+"""Shared fixtures: long-lived gloo rank pools and tiny HF checkpoints built once per session; and the suite's
+parallel workers.
 
 Rank-side functions live in the test modules; the pools' spawned processes import them by module name, so this
 folder is put on sys.path before any pool starts.
+
+With pytest-xdist installed (the dev extra), `python -m pytest tests -q` runs on XDIST_WORKERS worker processes, a
+test file whole on one worker (`--dist loadfile`: module-scoped runs and pools are shared as written); most of the
+suite waits on subprocesses, Ray and gloo ranks, so two workers pay even on two cores. `-n N` chooses otherwise,
+`-n 0` runs in this process. The GPU kit loads no plugin it does not name (PYTEST_DISABLE_PLUGIN_AUTOLOAD), so its
+runs stay in one process.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +24,29 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from megarl.runtime.rank_pool import RankPool
 from megarl.testing.tiny_checkpoint import make_hf_checkpoint
+
+XDIST_WORKERS = 2
+"""0: the suite runs in one process, as before."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Parallel workers by default (see the module docstring). Not in pyproject's addopts: there `-n` would be an
+    unknown option wherever pytest-xdist is not loaded (the GPU kit)."""
+    if not XDIST_WORKERS or not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return
+    if config.option.numprocesses is None and config.option.dist == "no" and not config.option.collectonly:
+        config.option.numprocesses = XDIST_WORKERS
+        config.option.dist = "loadfile"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _megarl_cache(tmp_path_factory):
+    """megarl's cache of passed checks (megarl/checkpoint/verify.py) in the session's temporary folder, not the
+    home folder: for the tests and the `megarl train` processes they start."""
+    os.environ["MEGARL_CACHE_DIR"] = str(tmp_path_factory.mktemp("megarl-cache"))
+    yield
+    del os.environ["MEGARL_CACHE_DIR"]
 
 
 @pytest.fixture(scope="session")

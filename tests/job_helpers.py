@@ -64,7 +64,7 @@ def megarl_train(
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    from megarl.trainer.metrics import read_metrics
+    from megarl.trainer.observability.metrics import read_metrics
 
     return [m for m in read_metrics(run_dir) if "reward/mean" in m]
 

@@ -17,7 +17,7 @@ from megarl.agents.episodes import episode_metrics, run_episodes
 from megarl.data.prompts import PromptSample
 from megarl.rollout.config import HFEngineConfig, SamplingParams
 from megarl.rollout.hf_engine import HFEngine
-from megarl.trainer.agent_rollout import collate_episodes
+from megarl.trainer.rollout_side.agent_rollout import collate_episodes
 
 FIXTURES = Path(__file__).parent / "agent_fixtures"
 sys.path.insert(0, str(FIXTURES))

@@ -86,7 +86,8 @@ def test_registry_unknown_name_lists_valid_ones_and_the_closest():
     assert "did you mean 'grpo'?" in message
     with pytest.raises(UserError, match="did you mean 'k3'"):
         KL_ESTIMATORS.get("K3", "algorithm.kl.estimator")
-    with pytest.raises(UserError, match="valid: ppo_clip, gspo$"):
+    verl_losses = "sapo, gpg, clip_cov, kl_cov, geo_mean, cispo, dppo_tv, dppo_kl, dro"
+    with pytest.raises(UserError, match=f"valid: ppo_clip, gspo, {verl_losses}$"):
         POLICY_LOSSES.get("something_else", "algorithm.policy_loss.name")
 
 
@@ -468,10 +469,10 @@ def test_overlong_penalty_goes_on_the_last_response_token():
 
 
 def test_dynamic_sampling_keeps_informative_groups_over_draws():
-    """trainer/dynamic_sampling.py, used by the synchronous and the asynchronous loop: groups whose scores all agree
-    are dropped, the rest renumbered across draws, and the batch is cut at num_groups."""
+    """trainer/loops/dynamic_sampling.py, used by the synchronous and the asynchronous loop: groups whose scores all
+    agree are dropped, the rest renumbered across draws, and the batch is cut at num_groups."""
     from megarl.data.batch import Batch
-    from megarl.trainer.dynamic_sampling import KeptGroups
+    from megarl.trainer.loops.dynamic_sampling import KeptGroups
 
     def draw(scores, group_ids):
         return Batch({"scores": torch.tensor(scores), "group_ids": torch.tensor(group_ids)})

@@ -18,11 +18,11 @@ import torch
 from megarl.data.prompts import PromptSample, PromptSampler
 from megarl.rollout.config import SamplingParams
 from megarl.rollout.engine import Completion, GenerateRequest, sample_seed
-from megarl.trainer.async_loop import staleness_metrics
-from megarl.trainer.dynamic_sampling import DynamicSampling
-from megarl.trainer.rollout_buffer import OLDEST_VERSION, RolloutBuffer
-from megarl.trainer.rollout_producer import RolloutProducer
-from megarl.trainer.rollout_step import draw_key, request_seed
+from megarl.trainer.loops.async_loop import staleness_metrics
+from megarl.trainer.loops.dynamic_sampling import DynamicSampling
+from megarl.trainer.rollout_side.rollout_buffer import OLDEST_VERSION, RolloutBuffer
+from megarl.trainer.rollout_side.rollout_producer import RolloutProducer
+from megarl.trainer.rollout_side.rollout_step import draw_key, request_seed
 
 NUM_PROMPTS = 4
 N = 2
@@ -249,9 +249,9 @@ def test_close_aborts_a_generation_in_flight():
 
 
 def test_the_config_names_what_async_mode_needs(tmp_path):
-    from megarl.config.job import JobConfig
     from megarl.config.loader import load_config
     from megarl.errors import UserError
+    from megarl.job import JobConfig
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "Q"}\n')
     base = [f"model.path={tmp_path}", f"data.train_files=[{tmp_path / 'p.jsonl'}]"]
@@ -293,7 +293,7 @@ def test_agent_episodes_resume_interrupted_turns_and_keep_each_tokens_version():
     from pathlib import Path
 
     from megarl.agents.config import AgentConfig
-    from megarl.trainer.rollout_producer import AgentEpisodes
+    from megarl.trainer.rollout_side.rollout_producer import AgentEpisodes
 
     sys.path.insert(0, str(Path(__file__).parent / "agent_fixtures"))
     from envs import Scripted

@@ -21,8 +21,8 @@ from megarl.cluster.worker_group import WorkerGroup
 from megarl.data.prompts import PromptSample, PromptSampler
 from megarl.rollout.config import HFEngineConfig, RolloutConfig, SamplingParams
 from megarl.rollout.engine import GenerateRequest
-from megarl.trainer.rollout_buffer import OLDEST_VERSION, RolloutBuffer
-from megarl.trainer.rollout_producer import EngineGroup, RolloutProducer
+from megarl.trainer.rollout_side.rollout_buffer import OLDEST_VERSION, RolloutBuffer
+from megarl.trainer.rollout_side.rollout_producer import EngineGroup, RolloutProducer
 from megarl.workers.rollout_worker import RolloutWorker
 
 

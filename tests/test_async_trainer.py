@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from job_helpers import FIXTURES, REPO, interrupt_after, megarl_train, metrics, write_prompts
 
-from megarl.trainer.metrics import read_samples
+from megarl.trainer.observability.metrics import read_samples
 
 
 def write_async_config(tmp_path: Path, num_steps: int, rl: str = "", algorithm: str = "") -> Path:

@@ -384,7 +384,7 @@ def test_resume_skips_a_checkpoint_that_lost_a_shard(tmp_path, caplog):
     import torch.distributed.checkpoint as dcp
 
     from megarl.errors import UserError
-    from megarl.trainer.run_checkpoint import RunCheckpoints
+    from megarl.trainer.lifecycle.run_checkpoint import RunCheckpoints
 
     checkpoints = RunCheckpoints(tmp_path / "run", keep=0)
     for step in (1, 2):

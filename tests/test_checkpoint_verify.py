@@ -25,3 +25,27 @@ COMPARED = {
 def test_an_intact_checkpoint_passes(name, hf_checkpoint):
     folder = hf_checkpoint(name)
     assert check_hf_weights(folder, load_hf_config(folder)) == COMPARED[name]
+
+
+def test_a_pass_is_remembered_and_a_changed_checkpoint_checked_again(hf_checkpoint, tmp_path, monkeypatch):
+    """The meta-device build runs once per exact set of inputs (its import costs seconds of every start-up): the
+    same folder again is answered from MEGARL_CACHE_DIR; a changed config.json is compared again and refused."""
+    import json
+    import shutil
+
+    import transformers
+
+    from megarl.errors import UserError
+
+    monkeypatch.setenv("MEGARL_CACHE_DIR", str(tmp_path / "cache"))
+    folder = shutil.copytree(hf_checkpoint("tiny-qwen3"), tmp_path / "model")
+    assert check_hf_weights(folder, load_hf_config(folder)) == COMPARED["tiny-qwen3"]
+    assert len(list((tmp_path / "cache" / "verified-weights").iterdir())) == 1
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", None)  # a second build would fail
+    assert check_hf_weights(folder, load_hf_config(folder)) == COMPARED["tiny-qwen3"]
+    monkeypatch.undo()
+    monkeypatch.setenv("MEGARL_CACHE_DIR", str(tmp_path / "cache"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"intermediate_size": config["intermediate_size"] * 2}))
+    with pytest.raises(UserError, match="mlp.*has shape .* but .*config.json gives"):
+        check_hf_weights(folder, load_hf_config(folder))

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from converters.hf_to_mcore import convert_hf_to_mcore
-from converters.mcore_to_hf import convert_mcore_to_hf
 from megarl.bridge.safetensors_io import HFCheckpoint
 from megarl.cli import main
+from megarl.conversion.hf_to_mcore import convert_hf_to_mcore
+from megarl.conversion.mcore_to_hf import convert_mcore_to_hf
 from megarl.errors import UserError
 from megarl.runtime.parallel import ParallelConfig
 
@@ -133,6 +133,18 @@ def test_incomplete_megarl_checkpoint(capsys, tmp_path):
     assert_clean_error(code, err, "holds no complete Megatron checkpoint (metadata.json missing)")
 
 
+def test_checkpoint_missing_a_shard(ranks1, src, tmp_path, capsys):
+    """A lost `.distcp` shard is named, with its checkpoint, before anything is read or written (it used to end in
+    a FileNotFoundError traceback halfway through)."""
+    mcore = tmp_path / "mcore"
+    ranks1.run(convert_hf_to_mcore, str(src), str(mcore), ParallelConfig(), show_progress=False)
+    victim = sorted((mcore / "model").glob("*.distcp"))[-1]
+    victim.unlink()
+    code, err = run_cli(capsys, "--from", "mcore", "--to", "hf", str(mcore), str(tmp_path / "hf"))
+    assert_clean_error(code, err, f"{victim} is missing: the checkpoint in {mcore / 'model'} is incomplete")
+    assert not (tmp_path / "hf").exists()
+
+
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
@@ -175,6 +187,18 @@ def megarl(*argv, check=True):
     if check:
         assert out.returncode == 0, out.stderr
     return out
+
+
+@pytest.mark.parametrize(("script", "expected"), [("hf_to_mcore", "config.json"), ("mcore_to_hf", "megarl.json")])
+def test_the_converters_scripts_run_the_convert_command(src, tmp_path, script, expected):
+    """`python converters/<script>.py SRC DST` from any folder is `megarl convert` in that direction (here an HF
+    folder without config.json, and an HF folder taken for a Megatron checkpoint: each refused as the CLI does)."""
+    (src / "config.json").unlink()
+    path = Path(__file__).resolve().parents[1] / "converters" / f"{script}.py"
+    argv = [sys.executable, str(path), str(src), str(tmp_path / "dst"), "--no-progress"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith("megarl: error: "), out.stderr
+    assert expected in out.stderr and "Traceback" not in out.stderr
 
 
 def test_console_script_round_trip_with_overwrite(hf_checkpoint, tmp_path):

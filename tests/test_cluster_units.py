@@ -134,7 +134,7 @@ def test_train_refuses_a_node_count_the_slurm_job_did_not_start():
     """tools/slurm/megarl.sbatch exports MEGARL_RAY_NODES (one Ray node per task): a config asking for another
     number of nodes is refused before any worker starts, naming both numbers and both fixes."""
     from megarl.cluster.config import ClusterConfig
-    from megarl.trainer.preflight import check_ray_nodes
+    from megarl.trainer.lifecycle.preflight import check_ray_nodes
 
     cluster = ClusterConfig(address="auto", num_nodes=16, gpus_per_node=8)
     check_ray_nodes(cluster, {"MEGARL_RAY_NODES": "16"})

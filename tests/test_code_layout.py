@@ -1,10 +1,13 @@
 """How the product code hangs together: no import circles between megarl's modules (counting the imports inside
-functions too: a circle there is one module's job split over two), and `megarl/testing/` is for tests and
-benchmarks only (product code that imports a fixture ships a test helper as a feature)."""
+functions too: a circle there is one module's job split over two), the packages in one order from the ground floor
+up with no import running back down-to-up (`PACKAGE_ORDER`), the product never importing the `converters/` entry
+points, and `megarl/testing/` for tests and benchmarks only (product code that imports a fixture ships a test helper
+as a feature)."""
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megarl"
@@ -73,3 +76,111 @@ def test_product_code_does_not_import_test_helpers():
         if not name.startswith("megarl.testing") and any(t.startswith("megarl.testing") for t in targets)
     )
     assert importers == []
+
+
+PACKAGE_ORDER: list[tuple[str, ...]] = [
+    ("errors", "config"),  # what a user did wrong; the config machinery: loader, schema, paths, suggestions, dump
+    ("data",),  # the Batch and the datasets: records, prompts, tokenizers, packing
+    ("runtime",),  # devices, torch.distributed, processes, progress bars, stage layouts
+    (
+        "models",
+        "bridge",
+        "checkpoint",
+        "algorithms",
+        "rewards",
+    ),  # Megatron models, HF <-> Megatron, checkpoints, losses
+    ("conversion", "cluster"),  # `megarl convert`'s library; Ray worker groups
+    ("rollout", "workers", "agents"),  # the rollout engines, the Ray workers of each role, multi-turn episodes
+    ("plan",),  # will a job fit: memory, placement, weight-sync time
+    ("trainer",),  # the loops, the controller's rollout side, observability, a run's life cycle
+    ("job",),  # megarl/job.py: every section's config nested into one job config
+    ("plan_command", "cli", "testing"),  # the `megarl` command; fixtures for tests and benchmarks
+]
+"""megarl's packages from the ground floor up (`megarl.X` or the module `megarl/X.py`). A module may import from
+its own floor and any floor below, never from one above (imports inside functions count; imports under
+`if TYPE_CHECKING:` are annotations and do not)."""
+
+ALLOWED_UPWARD = {
+    (
+        "megarl",
+        "megarl.runtime",
+    ): "the package root (megarl/__init__.py) installs the lazy torch.compile before Megatron loads",
+}
+"""Imports that run up the order on purpose, each with its reason."""
+
+
+def _floor(module: str) -> int:
+    parts = module.split(".")
+    name = parts[1] if len(parts) > 1 else parts[0]
+    for floor, names in enumerate(PACKAGE_ORDER):
+        if name in names:
+            return floor
+    raise AssertionError(f"{module}: package {name!r} is on no floor of PACKAGE_ORDER; add it there")
+
+
+def _runtime_imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import that runs, at module or function level: not those under
+    `if TYPE_CHECKING:`."""
+    found = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _upward_imports(package: Path = PACKAGE) -> list[str]:
+    upward = []
+    for path in sorted(package.rglob("*.py")):
+        name = ".".join(path.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__")
+        for line, target in _runtime_imports(ast.parse(path.read_text())):
+            if target.split(".")[0] != package.name or (name, target) in ALLOWED_UPWARD:
+                continue
+            if _floor(target) > _floor(name):
+                upward.append(f"{path.relative_to(package.parent)}:{line} imports {target}")
+    return upward
+
+
+def test_no_import_runs_up_the_package_order():
+    assert _upward_imports() == []
+
+
+def test_every_package_is_on_a_floor():
+    packages = {path.stem for path in PACKAGE.iterdir() if path.suffix == ".py" or (path / "__init__.py").exists()}
+    placed = {name for names in PACKAGE_ORDER for name in names}
+    assert sorted(packages - placed - {"__init__"}) == []
+
+
+def test_the_order_check_finds_an_upward_import(tmp_path):
+    package = tmp_path / "megarl"
+    (package / "config").mkdir(parents=True)
+    (package / "config" / "loader.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megarl.job import JobConfig\n"
+        "def load():\n    from megarl.trainer.lifecycle import run\n"
+    )
+    assert _upward_imports(package) == ["megarl/config/loader.py:5 imports megarl.trainer.lifecycle"]
+
+
+def test_product_code_does_not_import_the_converters_folder():
+    importers = sorted(
+        str(path.relative_to(PACKAGE.parent))
+        for path in PACKAGE.rglob("*.py")
+        if any(target.split(".")[0] == "converters" for _, target in _runtime_imports(ast.parse(path.read_text())))
+    )
+    assert importers == []
+
+
+def test_only_megarl_is_installed():
+    """No generic top-level package (`converters`) lands in site-packages next to megarl."""
+    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    assert pyproject["tool"]["setuptools"]["packages"]["find"]["include"] == ["megarl*"]

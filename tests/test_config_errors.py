@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from test_config import JobToy, write
 
 from megarl.config import load_config
 from megarl.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def load_error(*args, **kwargs) -> str:
@@ -217,3 +220,21 @@ def test_interpolation_errors(tmp_path, monkeypatch):
 def test_post_init_errors_name_the_section(tmp_path):
     message, path = file_error(tmp_path, "critic:\n  parallel:\n    tp: 0\n")
     assert message == f"{path}:2: critic.parallel: parallel.tp=0 must be >= 1"
+
+
+def test_an_optimizer_for_a_frozen_role_is_refused_naming_the_keys(tmp_path):
+    """ref and the reward model (during RL) are never trained: their `optim` keys would do nothing, so they are
+    refused, in a file and as an override, saying what trains the role instead."""
+    from megarl.job import JobConfig
+
+    config = REPO / "configs" / "quickstart.yaml"
+    path = write(tmp_path, "run.yaml", f"extends: {config}\nref:\n  optim: {{lr: 1.0e-5, beta1: 0.8}}\n")
+    assert load_error(JobConfig, path) == (
+        f"{path}:3: ref.optim.lr, ref.optim.beta1: ref.optim has no effect for a frozen role: it is never trained, "
+        "so it has no optimizer; remove it"
+    )
+    assert load_error(JobConfig, config, ["reward_model.optim.lr=1e-5"]) == (
+        "override 'reward_model.optim.lr=1e-5': reward_model.optim.lr: reward_model.optim has no effect for a frozen "
+        "role: the reward model only scores samples during RL; the rm stage trains it with rm.optim"
+    )
+    assert load_config(JobConfig, config, ["actor.optim.lr=1e-5", "critic.optim.lr=2e-5"]).critic.optim.lr == 2e-5

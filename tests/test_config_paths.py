@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.config.job import JobConfig
 from megarl.config.loader import load_config
 from megarl.errors import UserError
+from megarl.job import JobConfig
 
 
 @pytest.fixture

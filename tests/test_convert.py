@@ -18,9 +18,9 @@ from helpers import (
     save_at_layout,
 )
 
-from converters.hf_to_mcore import convert_hf_to_mcore
-from converters.mcore_to_hf import convert_mcore_to_hf
 from megarl.bridge.safetensors_io import INDEX_FILE, HFCheckpoint
+from megarl.conversion.hf_to_mcore import convert_hf_to_mcore
+from megarl.conversion.mcore_to_hf import convert_mcore_to_hf
 from megarl.runtime.parallel import ParallelConfig
 
 ARCHITECTURES = ["tiny-llama", "tiny-llama-bias", "tiny-qwen2", "tiny-qwen3"]

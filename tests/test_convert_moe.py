@@ -22,9 +22,9 @@ from helpers import (
 from safetensors.torch import load_file, save_file
 from test_convert import assert_same_checkpoint, round_trip
 
-from converters.hf_to_mcore import convert_hf_to_mcore
 from megarl.bridge.safetensors_io import HFCheckpoint
 from megarl.cli import main
+from megarl.conversion.hf_to_mcore import convert_hf_to_mcore
 from megarl.runtime.parallel import ParallelConfig as P
 
 MOE_ARCHITECTURES = ["tiny-mixtral", "tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-deepseek-v3-lite"]
@@ -78,7 +78,7 @@ def test_multi_token_prediction_layers_are_carried_through(ranks1, ranks4, hf_ch
     assert sorted(HFCheckpoint(mcore / "hf_extra").names) == sorted(
         n for n in HFCheckpoint(src).names if n.startswith("model.layers.4.")
     )
-    from converters.mcore_to_hf import convert_mcore_to_hf
+    from megarl.conversion.mcore_to_hf import convert_mcore_to_hf
 
     ranks1.run(convert_mcore_to_hf, str(mcore), str(back), read_group_bytes=40_000, show_progress=False)
     assert_same_checkpoint(src, back)

@@ -24,7 +24,7 @@ from megarl.cluster import GroupTimeouts, ResourcePool, WorkerGroup
 from megarl.cluster.errors import WorkerError
 from megarl.rollout.config import RolloutConfig, SamplingParams, SGLangEngineConfig
 from megarl.rollout.engine import GenerateRequest
-from megarl.trainer.roles import assign_engine_gpus
+from megarl.trainer.lifecycle.roles import assign_engine_gpus
 from megarl.workers.engine_nodes import NOSET_CUDA_VISIBLE_DEVICES, EngineNodeSlot
 from megarl.workers.rollout_worker import RolloutWorker
 

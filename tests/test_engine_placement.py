@@ -24,7 +24,7 @@ from megarl.rollout.sglang_engine import SGLangEngine, visible_device_index
 from megarl.rollout.sglang_server import SGLangServer
 from megarl.rollout.sglang_weights import send_flattened_bucket
 from megarl.testing.cluster_workers import ToyWorker
-from megarl.trainer.roles import NOSET_CUDA_VISIBLE_DEVICES, assign_engine_gpus
+from megarl.trainer.lifecycle.roles import NOSET_CUDA_VISIBLE_DEVICES, assign_engine_gpus
 from megarl.workers.rollout_worker import RolloutWorker, build_engine
 
 FAST = GroupTimeouts(init_s=120.0, call_s=60.0, failure_grace_s=2.0)
@@ -179,9 +179,9 @@ class FakeGroup:
 
 
 def start_fake_roles(monkeypatch, tmp_path, gpus_per_engine: int):
-    from megarl.config.job import JobConfig
     from megarl.config.loader import load_config
-    from megarl.trainer import roles as roles_module
+    from megarl.job import JobConfig
+    from megarl.trainer.lifecycle import roles as roles_module
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "Q"}\n')
     overrides = [f"model.path={tmp_path}", f"data.train_files=[{tmp_path / 'p.jsonl'}]", "placement.train_gpus=4"]

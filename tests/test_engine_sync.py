@@ -10,8 +10,8 @@ import torch
 from megarl.errors import RunFailure
 from megarl.rollout.config import HFEngineConfig, RolloutConfig
 from megarl.rollout.engine import SyncStats
-from megarl.trainer.engine_sync import WeightSync
-from megarl.trainer.run_checkpoint import TrainerState
+from megarl.trainer.lifecycle.run_checkpoint import TrainerState
+from megarl.trainer.rollout_side.engine_sync import WeightSync
 
 
 class Group:
@@ -95,6 +95,28 @@ def test_a_failed_send_quarantines_every_engine_and_is_raised():
     assert methods(rollout)[-2:] == ["begin_weight_update", "abandon_weight_update"]
     assert "refused weight bucket model.x" in rollout.calls[-1][1]
     assert sync.state.weight_version == 0
+
+
+def test_delta_syncs_follow_a_full_one_and_a_failure_or_restart_forces_full():
+    from megarl.workers.weight_delta import DeltaMismatch
+
+    sync, actor, rollout = make("never")
+    assert sync.delta  # rollout.weight_sync_delta=auto: on for the hf engine
+    roads = []
+    for new_version in (True, True, True, False, True):
+        sync(new_version=new_version)
+        roads.append(actor.calls[-1][1].delta)
+    assert roads == ["full", "delta", "delta", "full", "delta"]  # a restarted engine gets whole tensors
+    actor.answers["sync_weights"] = DeltaMismatch("delta weight sync: checksum 0x1 ... differs from the sender's 0x2")
+    with pytest.raises(DeltaMismatch):
+        sync()
+    assert methods(rollout)[-2:] == ["begin_weight_update", "abandon_weight_update"]  # the engines are quarantined
+    actor.answers["sync_weights"] = [sent([]), sent([])]
+    sync()
+    assert actor.calls[-1][1].delta == "full"  # the next sync after a failed delta is full
+    off = WeightSync(sync.roles, TrainerState(), RolloutConfig(weight_sync_delta="off"), "object_store")
+    off()
+    assert actor.calls[-1][1].delta == "off" and not RolloutConfig(backend="sglang").sync_delta("ipc")
 
 
 def test_the_hf_engine_verifies_its_own_weights(hf_checkpoint):
@@ -332,7 +354,7 @@ def test_a_failure_on_the_sender_thread_fails_the_sync_and_stops_sending(monkeyp
     ("choice", "mode", "pp", "nodes", "expected"),
     [
         ("auto", "colocated", 1, 1, "ipc"),
-        ("auto", "colocated", 4, 4, "disk"),  # the 671B layout: IPC reaches one node only
+        ("auto", "colocated", 4, 4, "ipc_relay"),  # the 671B layout
         ("auto", "split", 1, 2, "nccl"),  # one sender broadcasts to every rank of every node
         ("auto", "split", 4, 2, "disk"),
         ("disk", "split", 1, 1, "disk"),
@@ -348,8 +370,11 @@ def test_roads_that_reach_one_node_are_refused_for_engines_across_nodes():
     from megarl.errors import UserError
     from megarl.rollout.transports import resolve_weight_sync
 
-    with pytest.raises(UserError, match=r"^rollout.weight_sync=ipc reaches only the GPUs of one node, and each rollout "
-                       r"engine spans 4 nodes; use disk"):  # fmt: skip
-        resolve_weight_sync("ipc", "sglang", "colocated", 4, 8, engine_nodes=4)
+    with pytest.raises(UserError, match=r"^rollout.weight_sync=object_store reaches only the GPUs of one node, and "
+                       r"each rollout engine spans 4 nodes; use disk, ipc"):  # fmt: skip
+        resolve_weight_sync("object_store", "sglang", "colocated", 4, 8, engine_nodes=4)
+    with pytest.raises(UserError, match=r"^rollout.weight_sync=ipc across nodes is the per-node relay into SGLang"):
+        resolve_weight_sync("ipc", "hf", "colocated", 1, 1, engine_nodes=2)
+    assert resolve_weight_sync("ipc", "sglang", "colocated", 16, 8, engine_nodes=4) == "ipc_relay"
     with pytest.raises(UserError, match=r"valid are auto, ipc, nccl, object_store, disk$"):
         resolve_weight_sync("rdma", "sglang", "colocated", 1, 1)

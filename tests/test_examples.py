@@ -34,9 +34,9 @@ def test_custom_dataset_loads_through_the_job_config(tmp_path):
     from custom_dataset import overrides, write_dataset
 
     from megarl.config import load_config
-    from megarl.config.job import JobConfig
     from megarl.data.char_tokenizer import build_char_tokenizer
     from megarl.data.prompts import PromptDataset
+    from megarl.job import JobConfig
 
     path = write_dataset(tmp_path)
     config = load_config(JobConfig, REPO / "configs/quickstart.yaml", overrides(path))
@@ -60,7 +60,7 @@ def test_the_quickstart_gives_the_readmes_numbers(tmp_path):
     lines (and the model build's progress bar) reaches the user's terminal: no third-party warning."""
     from job_helpers import megarl_train
 
-    from megarl.trainer.metrics import read_metrics
+    from megarl.trainer.observability.metrics import read_metrics
 
     run = tmp_path / "run"
     out = megarl_train(REPO / "configs/quickstart.yaml", f"run.dir={run}", f"model.path={tmp_path / 'model'}")
@@ -69,6 +69,14 @@ def test_the_quickstart_gives_the_readmes_numbers(tmp_path):
     lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     foreign = [line for line in lines if not line.startswith(("step ", "megarl: ", "Writing model shards"))]
     assert foreign == []
+    # the end-of-run summary: the held-out accuracy first -> last, where everything is, the command that resumes
+    summary = lines[next(i for i, line in enumerate(lines) if line.startswith("megarl: done in ")) :]
+    assert summary[0].endswith("; stages sft (300 steps), grpo (60 steps)")
+    assert summary[1].startswith(f"megarl: eval/accuracy {evals[0]:.3f} -> {evals[-1]:.3f} (step ")
+    assert f"megarl: metrics      {run / 'metrics.jsonl'}" in summary
+    assert f"megarl: tensorboard  tensorboard --logdir {run / 'tensorboard'}" in summary
+    command = f"megarl train --config {REPO / 'configs/quickstart.yaml'} run.dir={run} model.path={tmp_path / 'model'}"
+    assert summary[-1] == f"megarl: resume with  {command}"
 
 
 @pytest.mark.slow
@@ -79,7 +87,7 @@ def test_the_shipped_quickstart_config_runs_both_stages(tmp_path, name):
     measured by hand (too long for CI)."""
     from job_helpers import megarl_train
 
-    from megarl.trainer.metrics import read_metrics
+    from megarl.trainer.observability.metrics import read_metrics
 
     run = tmp_path / "run"
     overrides = [

@@ -15,9 +15,9 @@ import pytest
 from huggingface_hub import constants
 
 from megarl.checkpoint.hub import is_hub_id, localize_model_paths, resolve_model_path
-from megarl.config.job import JobConfig
 from megarl.config.loader import load_config
 from megarl.errors import UserError
+from megarl.job import JobConfig
 
 REPO = Path(__file__).resolve().parents[1]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -11,9 +11,9 @@ import pytest
 from job_helpers import megarl_train, metrics, write_config
 
 from megarl.config import load_config
-from megarl.config.job import JobConfig
 from megarl.errors import UserError
-from megarl.trainer.metrics import read_samples
+from megarl.job import JobConfig
+from megarl.trainer.observability.metrics import read_samples
 
 
 def job(tmp_path, *overrides: str) -> JobConfig:

@@ -232,7 +232,7 @@ def test_same_entry_command_as_slurm(rayjob):
 
 
 def test_workers_match_the_config(rayjob):
-    from megarl.plan.command import load_for_planning
+    from megarl.plan_command import load_for_planning
 
     words = shlex.split(rayjob["spec"]["entrypoint"])
     at = words.index("--config")

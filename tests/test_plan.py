@@ -4,7 +4,10 @@ the shipped 671B config. (Parameter counts against Megatron's own models: tests/
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+import pytest
 
 from megarl.plan.activations import ActivationLayout, layer_elements_per_token, train_activation_bytes
 from megarl.plan.memory import GB, RoleLayout, role_memory
@@ -142,7 +145,7 @@ def test_engine_weights_dense_tp():
 
 
 def test_shipped_671b_config_fits(capsys):
-    from megarl.plan import plan_command
+    from megarl.plan_command import plan_command
 
     assert plan_command(DEEPSEEK_CONFIG) == 0
     out = capsys.readouterr().out
@@ -151,7 +154,7 @@ def test_shipped_671b_config_fits(capsys):
 
 
 def test_671b_on_half_the_nodes_without_offload_does_not_fit(capsys):
-    from megarl.plan import plan_command
+    from megarl.plan_command import plan_command
 
     overrides = [
         "cluster.num_nodes=8",
@@ -170,7 +173,7 @@ def test_671b_on_half_the_nodes_without_offload_does_not_fit(capsys):
 
 def test_run_plan_reports_per_role():
     from megarl.plan import run_plan
-    from megarl.plan.command import load_for_planning
+    from megarl.plan_command import load_for_planning
 
     config, _ = load_for_planning(DEEPSEEK_CONFIG)
     report = run_plan(config)
@@ -186,8 +189,8 @@ def test_colocated_roles_take_turns(tmp_path, monkeypatch):
     (frozen roles are not offloaded), as do three worker processes (actor, ref, engine) and the released engine; in
     the engine's turn the actor is offloaded: only the ref weights and the processes stay."""
     from megarl.plan import run_plan
-    from megarl.plan.command import load_for_planning
     from megarl.plan.planner import PROCESS_GB, RELEASED_ENGINE_GB
+    from megarl.plan_command import load_for_planning
 
     config, _ = load_for_planning(REPO / "configs" / "grpo_qwen2.5_7b_gsm8k.yaml")
     report = run_plan(config)
@@ -201,3 +204,36 @@ def test_colocated_roles_take_turns(tmp_path, monkeypatch):
     engine = rollout.detail
     assert rollout.peak_bytes == engine.static_bytes + resident + 4.0 * GB  # static pool + SGLang's runtime
     assert engine.static_bytes == 0.6 * 80 * GB
+
+
+# -- a job larger than its cluster -------------------------------------------------------------------------------------
+
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+LARGER_THAN_ONE_NODE = ["cluster.num_nodes=1", "cluster.gpus_per_node=8", "placement.train_gpus=16"]
+NEEDS_16_HAS_8 = (
+    "placement: the job needs 16 GPUs (train_gpus=16); the cluster has 8 (cluster.num_nodes=1 x 8 GPUs per node)"
+)
+
+
+def test_a_job_needing_more_gpus_than_the_cluster_does_not_fit(capsys):
+    """16 GPUs on 1 node x 8: `megarl plan` (and --dry-run) exit 1, also for a job whose GPU memory is not planned
+    (the CPU quickstart's hf engine); the same job on 8 GPUs fits."""
+    from megarl.cli import main
+
+    assert main(["plan", "--config", str(QUICKSTART), *LARGER_THAN_ONE_NODE]) == 1
+    assert f"DOES NOT FIT\n  - {NEEDS_16_HAS_8}" in capsys.readouterr().out
+    assert main(["train", "--dry-run", "--config", str(QUICKSTART), *LARGER_THAN_ONE_NODE]) == 1
+    assert main(["plan", "--config", str(QUICKSTART), "cluster.gpus_per_node=8", "placement.train_gpus=8"]) == 0
+
+
+def test_train_refuses_a_job_needing_more_gpus_than_the_cluster():
+    """Train's pre-flight refuses it before Ray starts (on a CPU machine too: the placement is not a memory verdict)."""
+    from megarl.config import load_config
+    from megarl.errors import UserError
+    from megarl.job import JobConfig
+    from megarl.trainer.lifecycle.preflight import preflight
+
+    config = load_config(JobConfig, QUICKSTART, LARGER_THAN_ONE_NODE)
+    with pytest.raises(UserError, match=re.escape(f"does not fit the cluster:\n  {NEEDS_16_HAS_8}")):
+        preflight(config, off_machine=True)
+    preflight(load_config(JobConfig, QUICKSTART, ["cluster.gpus_per_node=8"]), off_machine=True)

@@ -15,8 +15,8 @@ from megarl.models.registry import routing_layout
 from megarl.rollout.config import HFEngineConfig, SamplingParams
 from megarl.rollout.engine import Completion, GenerateRequest
 from megarl.rollout.hf_engine import HFEngine
-from megarl.trainer.rollout_step import collate_rollout
-from megarl.trainer.routing import RoutingPlan
+from megarl.trainer.rollout_side.rollout_step import collate_rollout
+from megarl.trainer.rollout_side.routing import RoutingPlan
 from megarl.workers.schedule import ScheduleShape, split_micro_batches
 
 
@@ -127,7 +127,7 @@ def test_micro_batches_keep_routing_with_tokens_and_padding_rows_replay_nothing(
 
 
 def test_agreement_metrics_and_the_stop_threshold():
-    from megarl.trainer.routing import agreement_metrics, check_agreement
+    from megarl.trainer.rollout_side.routing import agreement_metrics, check_agreement
 
     agree = torch.tensor([[3, 4], [1, 0]])  # per sample and MoE layer: tokens whose top-k set matched
     observed = torch.tensor([[4, 4], [2, 0]])  # tokens compared
@@ -151,7 +151,7 @@ def test_routing_settings_are_checked_with_the_config(overrides, message):
     from pathlib import Path
 
     from megarl.config import load_config
-    from megarl.config.job import JobConfig
+    from megarl.job import JobConfig
 
     with pytest.raises(UserError, match=message):
         load_config(JobConfig, Path(__file__).parents[1] / "configs/quickstart_moe.yaml", overrides)

@@ -92,8 +92,8 @@ def test_replay_brings_bf16_trainer_logprobs_closer_to_the_engines(ranks4, hf_ch
     from megarl.rollout.config import HFEngineConfig, SamplingParams
     from megarl.rollout.engine import GenerateRequest
     from megarl.rollout.hf_engine import HFEngine
-    from megarl.trainer.rollout_step import collate_rollout
-    from megarl.trainer.routing import RoutingPlan
+    from megarl.trainer.rollout_side.rollout_step import collate_rollout
+    from megarl.trainer.rollout_side.routing import RoutingPlan
 
     folder = hf_checkpoint(name, torch.bfloat16)
     engine = HFEngine(folder, HFEngineConfig(dtype="bfloat16"), record_routing=True)

@@ -294,7 +294,7 @@ CONFIGS = sorted((TESTS.parent / "configs").glob("*.yaml"))
 @pytest.mark.parametrize("mode", ["as-shipped", "split"])
 def test_sglang_parses_every_launch_command_megarl_plan_prints(path, mode):
     from megarl.plan import run_plan
-    from megarl.plan.command import load_for_planning
+    from megarl.plan_command import load_for_planning
 
     overrides = ["rollout.backend=sglang"]  # the CPU quickstart too: what it would launch on a GPU node
     if mode == "split":

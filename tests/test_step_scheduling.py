@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from megarl.data.batch import Batch
-from megarl.trainer.rl_steps import mini_batches
-from megarl.trainer.rollout_step import draw_key, request_seed
+from megarl.trainer.loops.rl_steps import mini_batches
+from megarl.trainer.rollout_side.rollout_step import draw_key, request_seed
 
 
 def test_draw_keys_never_repeat_across_steps():
@@ -57,7 +57,7 @@ def test_one_mini_batch_is_the_whole_batch_in_order():
 
 
 def test_balanced_partition_on_adversarial_lengths():
-    from megarl.trainer.dp_balance import balanced_partition, dp_order, imbalance, row_cost
+    from megarl.trainer.loops.dp_balance import balanced_partition, dp_order, imbalance, row_cost
 
     # Sorted lengths: the contiguous split gives one rank every long row.
     lengths = [4000, 3900, 3800, 3700, 100, 90, 80, 70]

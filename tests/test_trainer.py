@@ -40,16 +40,19 @@ def test_grpo_raises_the_reward_and_writes_the_run_folder(grpo_run):
 @pytest.mark.slow
 def test_ppo_trains_a_critic(tmp_path):
     config = write_config(tmp_path, "[ppo]", 6, "algorithm: {advantage: {estimator: gae, gamma: 1.0, lam: 0.95}}")
-    megarl_train(config)
+    out = megarl_train(config, "logging.progress_keys=[critic/vf_loss,reward/mean]")
     steps = metrics(tmp_path / "run")
     assert len(steps) == 6
     assert all("critic/vf_loss" in s and "actor/pg_loss" in s for s in steps)
+    # the console line (plain lines: not a terminal) shows the keys asked for, in their order
+    lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 6 and all(" critic/vf_loss " in line and " | reward " in line for line in lines), lines
     assert sum(s["reward/mean"] for s in steps[-2:]) / 2 > steps[0]["reward/mean"] + 0.1
 
 
 @pytest.mark.slow
 def test_dapo_dynamic_sampling_fills_each_batch_with_informative_groups(tmp_path):
-    """The synchronous loop with algorithm.dapo.dynamic_sampling (trainer/dynamic_sampling.py): a step draws again
+    """The synchronous loop with algorithm.dapo.dynamic_sampling (trainer/loops/dynamic_sampling.py): a step draws again
     until rl.prompts_per_step groups whose rewards differ are kept (at most max_sampling_rounds draws), and only
     those are trained on."""
     extra = "algorithm: {dapo: {dynamic_sampling: true, max_sampling_rounds: 3}}"
@@ -89,7 +92,7 @@ def test_every_stop_signal_saves_and_reruns_resume_with_the_same_numbers(grpo_ru
 
 def handover_records(run) -> dict[int, list[str]]:
     """Per step, the colocated handover's calls in order (samples.jsonl, name `handover`)."""
-    from megarl.trainer.metrics import read_samples
+    from megarl.trainer.observability.metrics import read_samples
 
     return {r["step"]: r["text"].split(" -> ") for r in read_samples(run) if r["name"] == "handover"}
 
@@ -128,7 +131,7 @@ def test_the_colocated_handover_runs_in_order_and_changes_no_number(grpo_run, tm
 def test_every_stop_signal_stops_at_a_step_end_with_its_exit_code():
     """SIGTERM (Kubernetes, scancel, a node drain) and SIGUSR1 mean "checkpoint and let the scheduler requeue" (75,
     EX_TEMPFAIL), SIGINT is Ctrl-C (130); a second signal aborts at once."""
-    from megarl.trainer.run import STOP_SIGNALS, _stop_handler
+    from megarl.trainer.lifecycle.run import STOP_SIGNALS, _stop_handler
 
     assert STOP_SIGNALS == {signal.SIGINT: 130, signal.SIGTERM: 75, signal.SIGUSR1: 75}
 
@@ -153,7 +156,7 @@ def test_a_stop_signal_while_the_run_starts_stops_it_through_its_clean_up(monkey
     the run at once through its clean-up, with the requeue code, rather than killing the process on the spot."""
     import os
 
-    from megarl.trainer import run
+    from megarl.trainer.lifecycle import run
 
     cleaned = []
 

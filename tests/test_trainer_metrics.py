@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megarl.errors import UserError
-from megarl.trainer.logging_config import LoggingConfig, WandbConfig
-from megarl.trainer.metrics import (
+from megarl.trainer.observability.logging_config import LoggingConfig, WandbConfig
+from megarl.trainer.observability.metrics import (
     METRICS_FILE,
     SAMPLES_FILE,
     TENSORBOARD_DIR,

@@ -10,9 +10,16 @@ import threading
 import pytest
 
 from megarl.errors import UserError
-from megarl.trainer.logging_config import LoggingConfig
-from megarl.trainer.metrics import METRICS_FILE, MetricsLogger
-from megarl.trainer.plots import PLOT_GROUPS, BackgroundPlotter, group_keys, moving_average, plot_command, plot_run
+from megarl.trainer.observability.logging_config import LoggingConfig
+from megarl.trainer.observability.metrics import METRICS_FILE, MetricsLogger
+from megarl.trainer.observability.plots import (
+    PLOT_GROUPS,
+    BackgroundPlotter,
+    group_keys,
+    moving_average,
+    plot_command,
+    plot_run,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -158,7 +165,7 @@ def test_background_plotter_draws_off_the_loop_and_once_more_at_close(tmp_path, 
             release.wait(timeout=10)  # a drawing that is still under way
         return plot_run(run_dir, out_dir)
 
-    monkeypatch.setattr("megarl.trainer.plots.plot_run", slow_plot_run)
+    monkeypatch.setattr("megarl.trainer.observability.plots.plot_run", slow_plot_run)
     plotter = BackgroundPlotter(tmp_path)
     assert plotter.request()
     assert not plotter.request()  # still drawing: skipped

@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from megarl.trainer.progress import RunProgress, format_duration, format_number
-from megarl.trainer.timing import PhaseTimer, tokens_per_s
+from megarl.trainer.observability.progress import RunProgress, format_duration, format_number
+from megarl.trainer.observability.timing import PhaseTimer, tokens_per_s
 
 
 class FakeClock:
@@ -190,7 +190,7 @@ def test_number_and_duration_formats():
 
 def test_eta_is_the_mean_step_time_times_the_steps_left_counting_down(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr("megarl.trainer.progress.time.monotonic", clock)
+    monkeypatch.setattr("megarl.trainer.observability.progress.time.monotonic", clock)
     progress = RunProgress(total_steps=10, start_step=2, enabled=False, stream=io.StringIO())
     assert progress.eta_s() == float("inf")
     clock.advance(20.0)

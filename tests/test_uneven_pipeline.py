@@ -11,10 +11,10 @@ from helpers import exported_weights, hf_logits, layout_id, megatron_logits, one
 from test_convert import assert_same_checkpoint
 from test_convert_moe import add_mtp_layer, edit_weights
 
-from converters.hf_to_mcore import convert_hf_to_mcore
-from converters.mcore_to_hf import convert_mcore_to_hf
 from megarl.bridge.safetensors_io import HFCheckpoint
 from megarl.cli import main
+from megarl.conversion.hf_to_mcore import convert_hf_to_mcore
+from megarl.conversion.mcore_to_hf import convert_mcore_to_hf
 from megarl.runtime.parallel import ParallelConfig as P
 from megarl.testing.tiny_checkpoint import make_hf_checkpoint, tiny_config
 

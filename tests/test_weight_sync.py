@@ -52,17 +52,20 @@ def build(folder, parallel: ParallelConfig):
     return pool, actor, rollout
 
 
-def sync(actor, rollout, version: int, disk_dir=None) -> dict:
-    """A sync as the trainer runs it: by the object store, or (disk_dir given) by files every engine reads."""
+def sync(actor, rollout, version: int, disk_dir=None, delta: str = "off") -> dict:
+    """A sync as the trainer runs it: by the object store, or (disk_dir given) by files every engine reads; `delta`:
+    the route's rollout.weight_sync_delta for this sync (off, full, delta)."""
+    import dataclasses
+
     rollout.call("begin_weight_update", version)
-    route = SyncRoute.to_workers(rollout.workers)
+    route = dataclasses.replace(SyncRoute.to_workers(rollout.workers), delta=delta)
     if disk_dir is not None:
         route = SyncRoute("disk", route.engines, disk_dir=str(disk_dir))
     sent = actor.call("sync_weights", route, version, 64 * 1024, collect="all")
     if disk_dir is not None:
         rollout.call("load_weights_from_disk", str(disk_dir))
     rollout.call("finish_weight_update", version)
-    return {"tensors": sum(s["tensors"] for s in sent), "buckets": sum(s["buckets"] for s in sent)}
+    return {key: sum(s[key] for s in sent) for key in ("tensors", "buckets", "bytes", "full_bytes")}
 
 
 def engine_tensors(rollout, names: list[str]) -> dict[str, torch.Tensor]:
@@ -119,7 +122,8 @@ def test_sync_gives_the_engine_the_actors_weights_and_outputs(ray_local, hf_chec
     pool, actor, rollout = build(folder, parallel)
     try:
         one_update(actor)  # the engine still has the checkpoint's weights; the actor moved
-        stats = sync(actor, rollout, version=1)
+        stats = sync(actor, rollout, version=1, delta="full")
+        assert stats["bytes"] == stats["full_bytes"]
         assert stats["buckets"] > 1  # 64 KiB buckets: the stream really is cut
         exported = {n: t for share in actor.call("export_weights", collect="all") for n, t in share}
         in_engine = engine_tensors(rollout, list(exported))
@@ -127,9 +131,13 @@ def test_sync_gives_the_engine_the_actors_weights_and_outputs(ray_local, hf_chec
         assert rollout.call("health", collect="rank0")["weight_version"] == 1
         before = check_engine_matches_actor(actor, rollout)
         one_update(actor)
-        sync(actor, rollout, version=2)
+        stats = sync(actor, rollout, version=2, delta="delta")  # only changed elements, checksums verified
+        assert stats["full_bytes"] == sum(t.nbytes for t in exported.values())
+        assert stats["bytes"] <= stats["full_bytes"] + 8 * stats["buckets"]  # tensors mostly changed travel whole
         after = check_engine_matches_actor(actor, rollout)
+        now = {n: t for share in actor.call("export_weights", collect="all") for n, t in share}
         moved = engine_tensors(rollout, list(exported))
+        assert all(torch.equal(now[n], moved[n]) for n in now)  # bit for bit after the delta
         assert any(not torch.equal(exported[n], moved[n]) for n in exported)
         assert after != before  # the update changed what the engine generates, and it still matches the actor
     finally:

@@ -30,8 +30,9 @@ DENSE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2
 MOE_LAYOUTS = [ParallelConfig(ep=2), ParallelConfig(tp=2, ep=2), ParallelConfig(pp=2, ep=2)]
 
 
-def hf_token_logprobs(folder, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(token t | < t) and the entropy of each prediction, from transformers, aligned like megarl's."""
+def hf_token_logprobs(folder, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log p(token t | < t), the entropy and sum_v p_v^2 of each prediction, from transformers, aligned like
+    megarl's."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -39,8 +40,9 @@ def hf_token_logprobs(folder, batch: Batch, temperature: float) -> tuple[torch.T
         logp = torch.log_softmax(model(batch["input_ids"]).logits / temperature, dim=-1)
     token = logp[:, :-1].gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1)[:, :-1]
+    sum_pi_squared = logp.exp().square().sum(-1)[:, :-1]
     pad = torch.nn.functional.pad
-    return pad(token, (1, 0)), pad(entropy, (1, 0))
+    return pad(token, (1, 0)), pad(entropy, (1, 0)), pad(sum_pi_squared, (1, 0))
 
 
 def collect(results) -> Batch | torch.Tensor:
@@ -64,11 +66,12 @@ def real_positions(batch: Batch) -> torch.Tensor:
 def test_logprobs_and_entropy_match_transformers(ranks4, hf_checkpoint, name, layout):
     folder = hf_checkpoint(name)
     batch = random_batch(6, vocab_size=1000, seed=1)
-    ref_logprobs, ref_entropy = hf_token_logprobs(folder, batch, temperature=0.7)
+    ref_logprobs, ref_entropy, ref_sum_pi_squared = hf_token_logprobs(folder, batch, temperature=0.7)
     out = collect(ranks4.run(policy_logprobs, str(folder), layout, batch, 0.7, 64))
     where = real_positions(batch)
     assert (out["logprobs"] - ref_logprobs)[where].abs().max() < 1e-5
     assert (out["entropy"] - ref_entropy)[where].abs().max() < 1e-5
+    assert (out["sum_pi_squared"] - ref_sum_pi_squared)[where].abs().max() < 1e-6  # optimal_token_baseline's input
 
 
 @pytest.fixture(scope="module")

@@ -64,15 +64,17 @@ def _dp_part(batch: Batch) -> tuple[int, Batch]:
 def policy_logprobs(
     path: str, layout, batch: Batch, temperature: float = 1.0, max_tokens: int = 64, packing: bool = True
 ):
-    """(dp rank, Batch of logprobs and entropy) from each output rank; None elsewhere. Packed micro-batches unless
-    `packing` is false (the product default is packed)."""
+    """(dp rank, Batch of logprobs, entropy and sum_pi_squared) from each output rank; None elsewhere. Packed
+    micro-batches unless `packing` is false (the product default is packed)."""
     from megarl.workers.policy import compute_logprobs
     from megarl.workers.role_model import build_role_model
 
     _init(layout)
     model = build_role_model(settings_for(path, layout)[0])
     dp_rank, part = _dp_part(batch)
-    out = compute_logprobs(model, part, temperature, max_tokens=max_tokens, with_entropy=True, packing=packing)
+    out = compute_logprobs(
+        model, part, temperature, max_tokens=max_tokens, with_entropy=True, packing=packing, with_sum_pi_squared=True
+    )
     return None if out is None else (dp_rank, out)
 
 

@@ -2,7 +2,8 @@
 
 Allowed: int and float literals, + - * / // % **, unary + and -, parentheses. Anything else (names, calls,
 attributes, strings, comparisons) is refused naming what was found. Bounds keep a hostile expression cheap: at most
-`MAX_CHARS` characters, exponents up to `MAX_EXPONENT`, integer results up to `MAX_DIGITS` digits.
+`MAX_CHARS` characters, exponents up to `MAX_EXPONENT`, integers (literals, every intermediate value and the
+result) up to `MAX_DIGITS` digits; nothing an expression holds makes it raise anything but CalculatorError.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def calculate(expression: str) -> str:
         raise CalculatorError(f"expression longer than {MAX_CHARS} characters")
     try:
         tree = ast.parse(text.replace("^", "**").replace("\u00d7", "*").replace("\u00f7", "/"), mode="eval")
-    except SyntaxError:
+    except (SyntaxError, ValueError):  # ValueError: a NUL character, which the parser refuses
         raise CalculatorError(f"cannot read {text!r} as arithmetic") from None
+    except (RecursionError, MemoryError):
+        raise CalculatorError("the expression is nested too deeply") from None
     value = _evaluate(tree.body)
     if isinstance(value, float):
         if not math.isfinite(value):
@@ -54,7 +57,7 @@ def calculate(expression: str) -> str:
 
 def _evaluate(node: ast.AST) -> int | float:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+        return _bounded(node.value, "a number")
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
@@ -69,7 +72,11 @@ def _evaluate(node: ast.AST) -> int | float:
             raise CalculatorError("the result is too large") from None
         if isinstance(value, complex):
             raise CalculatorError("the result is not a real number")
-        if isinstance(value, int) and abs(value) >= 10**MAX_DIGITS:
-            raise CalculatorError(f"the result has more than {MAX_DIGITS} digits")
-        return value
+        return _bounded(value, "the result")
     raise CalculatorError(f"{type(node).__name__.lower()} is not arithmetic: use numbers and + - * / // % **")
+
+
+def _bounded(value: int | float, what: str) -> int | float:
+    if isinstance(value, int) and abs(value) >= 10**MAX_DIGITS:
+        raise CalculatorError(f"{what} has more than {MAX_DIGITS} digits")
+    return value

@@ -1,152 +1,216 @@
-"""The Python code tool: run model-written code isolated at the OS level, with CPU, memory, wall and output limits.
+"""The Python code tool: run model-written code in a bubblewrap sandbox, with CPU, memory, disk, process, wall and
+output limits that hold even when the caller dies.
 
-Each call runs `python -I` in new Linux namespaces (`unshare`: user, mount, network, PID) inside a root made of
-read-only bind mounts of the system and interpreter folders plus a writable sandbox folder (the working directory,
-`/sandbox`), then `chroot`. So the code:
-- reads no file outside the sandbox but the system's and the interpreter's own (no /etc, no home, no run folder);
-- has no network (a fresh network namespace has only a loopback, down);
-- cannot outlive the call: the namespace's first process is killed with the call, and with it every process the
-  code started (PID namespace);
-- gets `cpu_seconds` of CPU (RLIMIT_CPU), `memory_mb` of address space (RLIMIT_AS), `wall_seconds` in all, and its
-  combined stdout/stderr is cut to `max_output_chars`.
+The policy writing the code is treated as an adversary: RL optimizes it to get reward, and whatever the sandbox lets
+through, training will find. Each call runs `python -I` under bubblewrap (megarl/agents/sandbox/bwrap.py: new
+namespaces of every kind, pivot_root into a read-only root holding only the system's and the interpreter's folders,
+an unprivileged uid, no capabilities, no_new_privs, no network, a seccomp filter, sandbox/seccomp.py), started by
+a supervisor that is PID 1 of the sandbox (sandbox/supervisor.py) and enforces the limits over all the processes
+the code starts. The caller reads the output with a bound and kills the sandbox past it or past the wall time.
 
-Where unprivileged user namespaces are unavailable the tool refuses to run (`check_sandbox` says why at start-up):
-running untrusted code without isolation is not an option. Fork bombs are bounded by the wall limit and memory, not
-by a process count (the limits of a cgroup would need privileges).
+Where isolation cannot be had (no bwrap, user namespaces off, no seccomp table for the machine) the tool refuses to
+run: `check_sandbox` says why at start-up. docs/sandbox.md has the threat model and what the host needs.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import resource
-import shutil
+import selectors
 import signal
 import subprocess
-import sys
-import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megarl.agents.sandbox import bwrap
+from megarl.agents.sandbox.seccomp import build_filter
 from megarl.errors import UserError
 
-_ROOT_SETUP = r"""
-set -e
-root=$(mktemp -d)
-mount -t tmpfs tmpfs "$root"
-for d in /usr /lib /lib32 /lib64 /bin /sbin "$MEGARL_PYTHON_PREFIX"; do
-  [ -d "$d" ] || continue
-  mkdir -p "$root$d"
-  mount --rbind "$d" "$root$d"
-  mount -o remount,bind,ro "$root$d" 2>/dev/null || true
-done
-mkdir -p "$root/sandbox" "$root/tmp" "$root/dev" "$root/proc"
-mount --bind "$MEGARL_SANDBOX" "$root/sandbox"
-mount -t tmpfs -o size=64m tmpfs "$root/tmp"
-for f in null zero urandom; do touch "$root/dev/$f"; mount --bind "/dev/$f" "$root/dev/$f"; done
-mount -t proc proc "$root/proc"
-# the code runs as a child of this shell (PID 1 of the namespace), which reports a signal that stopped it
-exec chroot "$root" /bin/sh -c 'cd /sandbox; "$0" "$@"; s=$?
-[ $s -gt 128 ] && echo "megarl-signal $((s - 128))"; exit $s' "$@"
-"""
+_GRACE_SECONDS = 2.0
+"""How long past wall_seconds the caller waits for the supervisor before it kills the sandbox itself."""
 
 
 @dataclass
 class CodeToolConfig:
     cpu_seconds: int = 5
-    """CPU time of the code (all its threads), seconds."""
+    """CPU time of the code, all its processes and threads together, seconds."""
     wall_seconds: float = 10.0
     """Wall time of the whole call, seconds."""
     memory_mb: int = 1024
-    """Address space of each process, MiB (Python itself takes about 30)."""
+    """Address space of each process, and anonymous memory of all processes plus what the sandbox's tmpfs hold, MiB
+    (Python itself takes about 30 of address space)."""
+    disk_mb: int = 64
+    """Size of each writable place (the working folder, /tmp, /dev/shm: memory-backed), and of any one file, MiB."""
+    max_processes: int = 32
+    """Processes and threads of the code at once."""
     max_output_chars: int = 2000
-    """stdout and stderr together, cut to this many characters."""
+    """stdout and stderr together, cut to this many characters (the sandbox is killed past 4x as many bytes)."""
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_seconds", "wall_seconds", "memory_mb", "disk_mb", "max_processes", "max_output_chars"):
+            value, kinds = getattr(self, name), (int, float) if name == "wall_seconds" else int
+            if not isinstance(value, kinds) or isinstance(value, bool) or value <= 0:
+                kind = "number" if name == "wall_seconds" else "integer"
+                raise UserError(f"code tool limit {name}={value!r}: must be a positive {kind}")
 
 
 def run_python(code: str, config: CodeToolConfig | None = None, sandbox: str | Path | None = None) -> str:
     """Run `code` isolated; its output (cut to the limit), plus a line saying why it stopped if it did not end
-    normally. `sandbox`: the working folder it may read and write (default: a fresh temporary one, removed after)."""
-    folder = Path(sandbox) if sandbox is not None else Path(tempfile.mkdtemp(prefix="megarl-code-"))
+    normally. `sandbox`: a folder whose files are copied into the code's working folder first (what the code
+    writes stays in the sandbox and goes with it)."""
+    config = config or CodeToolConfig()
+    files = _input_files(Path(sandbox), config) if sandbox is not None else {}
+    files["main.py"] = code.encode()
+    return _run(["main.py"], config, files)
+
+
+def _input_files(folder: Path, config: CodeToolConfig) -> dict[str, bytes]:
+    files = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            files[path.relative_to(folder).as_posix()] = path.read_bytes()
+    if sum(len(data) for data in files.values()) > config.disk_mb * 2**20:
+        raise UserError(f"the code tool's input folder {folder} holds more than disk_mb={config.disk_mb} MiB")
+    return files
+
+
+def _memfd(data: bytes) -> int:
+    fd = os.memfd_create("megarl-code-tool")
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _run(args: list[str], config: CodeToolConfig, files: dict[str, bytes]) -> str:
     try:
-        (folder / "main.py").write_text(code)
-        return _run_in_namespace(["main.py"], config or CodeToolConfig(), folder)
-    finally:
-        if sandbox is None:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def _run_in_namespace(args: list[str], config: CodeToolConfig, folder: Path) -> str:
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        raise UserError("the Python code tool needs `unshare` (util-linux) to isolate the code; it is not installed")
-    command = [unshare, "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--kill-child"]
-    command += ["/bin/sh", "-c", _ROOT_SETUP, "sh", sys.executable, "-I", *args]
-    # the interpreter's own folder (a venv's interpreter links to its base one), read-only inside
-    env = {
-        "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
-        "MEGARL_SANDBOX": str(folder),
-        "MEGARL_PYTHON_PREFIX": sys.base_prefix,
+        program = build_filter()
+    except KeyError as e:
+        raise UserError(f"the Python code tool cannot isolate code here: {e.args[0]}") from None
+    binary, (python, _) = bwrap.find_bwrap(), bwrap.interpreter()
+    supervisor = {
+        "memory_mb": config.memory_mb,
+        "disk_mb": config.disk_mb,
+        "max_processes": config.max_processes,
+        "cpu_seconds": config.cpu_seconds,
+        "wall_seconds": config.wall_seconds,
+        "tmpfs": bwrap.tmpfs_paths(),
+        "argv": [python, "-I", *args],
     }
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,  # one process group: killed whole at the deadline
-        preexec_fn=lambda: _limit(config),
-    )
+    status_read, status_write = os.pipe()
+    descriptors = [status_write, _memfd(program)] + [_memfd(data) for data in files.values()]
     try:
-        output, _ = process.communicate(timeout=config.wall_seconds)
-        ending = _ending(process.returncode, config)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        ending = f"stopped: wall time limit ({config.wall_seconds:g} s)"
-    text, ending = _signal_ending(output.decode("utf-8", errors="replace"), config, ending)
+        supervisor["status_fd"] = status_write
+        folders = sorted({p.parent.as_posix() for p in map(Path, files) if p.parent != Path(".")}, key=len)
+        argv = [python, "-I", "-S", "-c", bwrap.supervisor_source(), json.dumps(supervisor)]
+        command = bwrap.command(
+            binary, config.disk_mb, descriptors[1], dict(zip(files, descriptors[2:])), folders, argv
+        )
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={},
+            pass_fds=descriptors,
+            start_new_session=True,  # one process group: killed whole past a limit
+        )
+    except BaseException:
+        os.close(status_read)
+        raise
+    finally:
+        for fd in descriptors:
+            os.close(fd)
+    try:
+        output, stopped = _read_bounded(process, config)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        process.stdout.close()
+        report = _read_report(status_read)
+    text = output.decode("utf-8", errors="replace")
     if len(text) > config.max_output_chars:
         text = text[: config.max_output_chars] + f"\n... (output cut at {config.max_output_chars} characters)"
+    if report is None and stopped is None:  # the sandbox itself failed: bwrap says why in the output
+        stopped = f"sandbox failed (exit code {process.returncode})"
+    ending = stopped or _ending(report, config)
     return text + (f"\n{ending}" if ending else "")
 
 
-def _limit(config: CodeToolConfig) -> None:
-    """In the child, before exec: the limits every process of the call inherits."""
-    # SIGXCPU at the soft limit (reported as the CPU limit), SIGKILL a second later if it is caught
-    resource.setrlimit(resource.RLIMIT_CPU, (config.cpu_seconds, config.cpu_seconds + 1))
-    memory = config.memory_mb * 2**20
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 2**20, 64 * 2**20))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+def _read_bounded(process: subprocess.Popen, config: CodeToolConfig) -> tuple[bytes, str | None]:
+    """The sandbox's output, read until it ends, it passes 4x max_output_chars bytes (plus 64 KiB) or the wall time
+    passes (plus a grace for the supervisor to report): (the bytes, why the caller stopped it or None)."""
+    cap = 4 * config.max_output_chars + 2**16
+    deadline = time.monotonic() + config.wall_seconds + _GRACE_SECONDS
+    chunks, size = [], 0
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return b"".join(chunks), f"stopped: wall time limit ({config.wall_seconds:g} s)"
+            if not selector.select(left):
+                continue
+            chunk = os.read(process.stdout.fileno(), 2**16)
+            if not chunk:
+                return b"".join(chunks), None
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > cap:
+                return b"".join(chunks), f"stopped: output limit ({config.max_output_chars} characters)"
 
 
-def _ending(returncode: int, config: CodeToolConfig) -> str:
-    return "" if returncode == 0 else f"exit code {returncode}"
+def _read_report(fd: int) -> dict | None:
+    try:
+        os.set_blocking(fd, False)
+        data = os.read(fd, 4096)
+    except BlockingIOError:
+        data = b""
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
 
 
-def _signal_ending(text: str, config: CodeToolConfig, ending: str) -> tuple[str, str]:
-    """The code's output without the sandbox's own lines, and why it stopped when a signal stopped it (the shell
-    inside the sandbox reports it: `unshare` itself only says it was interrupted)."""
-    lines = [line for line in text.split("\n") if not line.startswith("unshare: ")]
-    if lines and lines[-1] == "":
-        lines.pop()
-    if lines and lines[-1].startswith("megarl-signal "):
-        number = int(lines.pop().split()[1])
-        if lines and (lines[-1] == "Killed" or lines[-1].startswith("CPU time limit exceeded")):
-            lines.pop()  # the shell's own notice of the signal
-        ending = {
-            signal.SIGXCPU: f"stopped: CPU time limit ({config.cpu_seconds} s)",
-            signal.SIGKILL: "stopped: killed (memory or time limit)",
-        }.get(number, f"stopped by signal {number}")
-    return "\n".join(lines) + ("\n" if lines else ""), ending
+def _ending(report: dict, config: CodeToolConfig) -> str:
+    limit = {
+        "cpu": f"stopped: CPU time limit ({config.cpu_seconds} s)",
+        "wall": f"stopped: wall time limit ({config.wall_seconds:g} s)",
+        "memory": f"stopped: memory limit ({config.memory_mb} MiB)",
+        "processes": f"stopped: process limit ({config.max_processes})",
+    }
+    if report["limit"] is not None:
+        return limit[report["limit"]]
+    code = report["exit"]
+    if code >= 0:
+        return "" if code == 0 else f"exit code {code}"
+    return {
+        signal.SIGXCPU: limit["cpu"],
+        signal.SIGXFSZ: f"stopped: file size limit ({config.disk_mb} MiB)",
+    }.get(-code, f"stopped by signal {-code} ({signal.Signals(-code).name})")
 
 
 def check_sandbox() -> None:
     """Raise UserError saying why the code tool cannot isolate code on this machine (nothing when it can)."""
-    with tempfile.TemporaryDirectory(prefix="megarl-code-check-") as folder:
-        try:
-            output = _run_in_namespace(["-c", "print('isolated')"], CodeToolConfig(wall_seconds=30), Path(folder))
-        except OSError as e:
-            raise UserError(f"the Python code tool cannot start its sandbox: {e}") from None
-    if output.strip() != "isolated":
+    probe = (
+        "import os\n"
+        "status = dict(line.split(':\\t', 1) for line in open('/proc/self/status').read().splitlines())\n"
+        "try:\n"
+        "    os.chroot('/tmp')\n"
+        "except PermissionError:\n"
+        "    checks = [os.getuid() == 65534, status['Seccomp'].strip() == '2', status['NoNewPrivs'].strip() == '1',\n"
+        "              int(status['CapEff'], 16) == 0]\n"
+        "    print('isolated' if all(checks) else f'checks failed: {checks}')\n"
+    )
+    try:
+        output = _run(["-c", probe], CodeToolConfig(wall_seconds=30), {})
+    except OSError as e:
+        raise UserError(f"the Python code tool cannot start its sandbox: {e}") from None
+    if output != "isolated\n":
         raise UserError(
-            "the Python code tool cannot isolate code here (unprivileged user namespaces, mounts or chroot refused): "
-            f"{output.strip()[-500:]}; it does not run code without isolation"
+            "the Python code tool cannot isolate code here (bubblewrap needs unprivileged user namespaces, or root; "
+            f"see docs/sandbox.md): {output.strip()[-500:]}; it does not run code without isolation"
         )

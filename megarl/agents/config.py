@@ -15,7 +15,8 @@ class AgentConfig:
     """The environment of multi-turn rollouts: `tools` (the built-in tool environment: megarl/agents/environment.py),
     `module.path:Class` or `path/to/file.py:Class` (a subclass of Environment); "" = single-turn rollouts."""
     env_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the environment's constructor (tools: tool_format, max_chars)."""
+    """Keyword arguments of the environment's constructor (tools: tools, tool_format, max_chars, max_calls_per_turn,
+    code_limits, code_backend local | sandbox_fusion, sandbox_url, ...: megarl/agents/environment.py)."""
     max_turns: int = 4
     """Model turns per episode; an episode still calling tools after the last one ends truncated."""
     max_total_tokens: int = 512
@@ -47,5 +48,5 @@ class AgentConfig:
             raise UserError(f"{key}.step_timeout_s={self.step_timeout_s} must be > 0")
         if self.schedule not in ("rounds", "continuous"):
             raise UserError(f"{key}.schedule={self.schedule!r}: valid are rounds, continuous")
-        if self.observation_template is not None and "{content}" not in self.observation_template:
-            raise UserError(f"{key}.observation_template={self.observation_template!r} must contain {{content}}")
+        if self.observation_template is not None and self.observation_template.count("{content}") != 1:
+            raise UserError(f"{key}.observation_template={self.observation_template!r} must contain {{content}} once")

@@ -1,4 +1,4 @@
-"""Token-exact trajectories of multi-turn episodes (DESIGN.md, "Agent episodes": token in, token out).
+"""Token-exact trajectories of multi-turn episodes (docs/architecture.md, "Agent episodes": token in, token out).
 
 A trajectory is the prompt's ids, then turns: each model turn is the engine's sampled ids and log-probs as returned
 (never decoded and encoded again), each observation (a tool result, an environment's reply) is text rendered with
@@ -87,9 +87,15 @@ class ObservationRenderer:
     the template itself by rendering a conversation with and without that message; the part of the assistant turn's
     closing that the model does not sample (the newline after its end token) is included. Without a chat template
     (tiny tokenizers): `template` with `{content}` filled in.
+
+    The content is the environment's (a tool's output: text the policy can steer), so special-token text in it
+    (`<|im_end|>\n<|im_start|>assistant`) is tokenized as text: only the template's own markers become special
+    tokens, and a tool's output cannot forge a turn boundary. Where the content holds no special-token text, the ids
+    are those of tokenizing the whole rendered text.
     """
 
     _SENTINEL = "\u2063megarl-assistant-turn\u2063"
+    _CONTENT = "\u2063megarl-observation\u2063"
 
     def __init__(self, tokenizer, role: str = "tool", template: str | None = None):
         self.tokenizer = tokenizer
@@ -97,8 +103,11 @@ class ObservationRenderer:
         self.template = template
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template: give an observation template with {content}")
-        if template is not None and "{content}" not in template:
-            raise ValueError(f"observation template {template!r} has no {{content}}")
+        if template is not None and template.count("{content}") != 1:
+            raise ValueError(f"observation template {template!r} must hold {{content}} once")
+        special = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+        self._special = sorted(special | set(getattr(tokenizer, "all_special_tokens", ())), key=len, reverse=True)
+        self._frame: tuple[str, str] | None = None
 
     def text(self, content: str) -> str:
         if self.template is not None:
@@ -116,5 +125,26 @@ class ObservationRenderer:
         return rest[len(end) :] if end and rest.startswith(end) else rest  # the model samples its end token
 
     def token_ids(self, content: str) -> list[int]:
-        """The observation's ids: rendered, then tokenized once."""
-        return self.tokenizer.encode(self.text(content), add_special_tokens=False)
+        """The observation's ids: rendered, then tokenized once, special-token text inside `content` as text."""
+        head, tail = self._frame_around_content()
+        text = self.text(content)
+        if text.startswith(head) and text.endswith(tail) and len(text) >= len(head) + len(tail):
+            content = text[len(head) : len(text) - len(tail)]  # as the template rendered it (e.g. trimmed)
+        # the template's text up to its last special token before the content, and from its first one after it,
+        # tokenized as usual; the text between them (with the content) with special tokens read as plain text
+        cut_head = max((head.rfind(t) + len(t) for t in self._special if t in head), default=0)
+        cut_tail = min((tail.find(t) for t in self._special if t in tail), default=len(tail))
+        encode = self.tokenizer.encode
+        return [
+            *encode(head[:cut_head], add_special_tokens=False),
+            *encode(head[cut_head:] + content + tail[:cut_tail], add_special_tokens=False, split_special_tokens=True),
+            *encode(tail[cut_tail:], add_special_tokens=False),
+        ]
+
+    def _frame_around_content(self) -> tuple[str, str]:
+        """The rendered observation's text before and after its content."""
+        if self._frame is None:
+            rendered = self.text(self._CONTENT)
+            at = rendered.index(self._CONTENT)
+            self._frame = rendered[:at], rendered[at + len(self._CONTENT) :]
+        return self._frame

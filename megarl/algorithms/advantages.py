@@ -34,6 +34,12 @@ class AdvantageInputs:
     """Which prompt each sample came from (long, any values); needed by the group estimators."""
     values_BS: torch.Tensor | None = None
     """Critic values V(state before token t), aligned with the tokens; needed by gae."""
+    reward_baselines_B: torch.Tensor | None = None
+    """The score of a greedy (temperature 0) response to each sample's prompt; needed by remax."""
+    old_logprobs_BS: torch.Tensor | None = None
+    """Log-probs of the sampled tokens under the policy that sampled them; needed by optimal_token_baseline."""
+    sum_pi_squared_BS: torch.Tensor | None = None
+    """sum over the vocabulary of pi(v)^2 at each token's position; needed by optimal_token_baseline."""
 
 
 def compute_advantages(
@@ -181,10 +187,14 @@ def rloo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor
 
 
 @ADVANTAGE_ESTIMATORS.register(
+    "reinforce_plus_plus", needs_values=False, needs_groups=False, options=frozenset({"gamma", "eps"})
+)
+@ADVANTAGE_ESTIMATORS.register(
     "reinforce_pp", needs_values=False, needs_groups=False, options=frozenset({"gamma", "eps"})
 )
 def reinforce_pp(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++ (Hu 2025): discounted returns G_t = r_t + gamma * G_{t+1} over response tokens, advantages =
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262; also registered under verl's name reinforce_plus_plus): discounted
+    returns G_t = r_t + gamma * G_{t+1} over response tokens, advantages =
     G whitened over all response tokens of the batch (global baseline, no critic, no groups). Returns = G."""
     mask_BS = _mask(inputs)
     rewards_BS = _float(inputs.token_rewards_BS) * mask_BS
@@ -193,10 +203,14 @@ def reinforce_pp(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torc
 
 
 @ADVANTAGE_ESTIMATORS.register(
+    "reinforce_plus_plus_baseline", needs_values=False, needs_groups=True, options=frozenset({"eps"})
+)
+@ADVANTAGE_ESTIMATORS.register(
     "reinforce_pp_baseline", needs_values=False, needs_groups=True, options=frozenset({"eps"})
 )
 def reinforce_pp_baseline(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++-baseline: c_i = s_i - mean_g (group mean baseline) on every response token, then whitened over
+    """REINFORCE++-baseline (Hu 2025, arXiv:2501.03262; also registered under verl's name
+    reinforce_plus_plus_baseline): c_i = s_i - mean_g (group mean baseline) on every response token, then whitened over
     all response tokens of the batch. No discounting. Returns = c (before whitening)."""
     scores_B = _scores_B(inputs)
     mean_B, _ = group_mean_std(scores_B, _require(inputs.group_ids_B, "group_ids", "reinforce_pp_baseline"))
@@ -214,11 +228,12 @@ def apply_kl_penalty(
     response_mask_BS: torch.Tensor,
     config: KLConfig,
     key: str = "algorithm.kl.estimator",
+    coef: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token_rewards - coef * kl_t on response tokens, kl_BS): KL(pi_old || pi_ref) per token as a reward penalty,
-    with the estimator and clamp of `config` (fixed coefficient, no adaptive controller). kl_BS is 0 outside the
-    mask, for logging."""
+    with the estimator and clamp of `config`; `coef` (the adaptive controller's current value) replaces config.coef
+    when given. kl_BS is 0 outside the mask, for logging and the controller."""
     mask_BS = response_mask_BS.to(_float(token_rewards_BS).dtype)
     kl_BS = kl_estimate(config.estimator, _float(old_logprobs_BS), _float(ref_logprobs_BS), config.clamp, key)
     kl_BS = torch.where(mask_BS.bool(), kl_BS.to(mask_BS.dtype), 0.0)
-    return _float(token_rewards_BS) - config.coef * kl_BS, kl_BS
+    return _float(token_rewards_BS) - (config.coef if coef is None else coef) * kl_BS, kl_BS

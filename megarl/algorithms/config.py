@@ -24,6 +24,7 @@ from megarl.algorithms.registry import (
 from megarl.errors import UserError
 
 OFF_POLICY_LEVELS = ("token", "sequence")
+KL_CONTROLLERS = ("fixed", "adaptive")  # megarl.algorithms.kl imports torch: the names are repeated here
 ROUTING_REPLAY_MODES = ("off", "rollout", "old_logprob")
 
 
@@ -90,13 +91,36 @@ class PolicyLossConfig:
     """The actor's per-token loss: clipped surrogate, optional KL-to-ref loss and entropy bonus."""
 
     name: str = "ppo_clip"
-    """Surrogate objective: ppo_clip (token-level ratio) or gspo (sequence-level ratio)."""
+    """Surrogate objective (docs/algorithms.md): ppo_clip (token-level ratio), gspo (sequence-level ratio), sapo,
+    gpg, clip_cov, kl_cov, geo_mean, cispo, dppo_tv, dppo_kl, dro (verl's names)."""
     clip_low: float = 0.2
-    """The ratio is clipped below at 1 - clip_low (GSPO uses about 3e-4)."""
+    """The ratio is clipped below at 1 - clip_low (GSPO uses about 3e-4). geo_mean: the log-ratio bound; dppo_tv:
+    the largest drop of the token's probability; dppo_kl: the largest binary KL (verl's clip_ratio_low)."""
     clip_high: float = 0.2
-    """The ratio is clipped above at 1 + clip_high (DAPO clip-higher: 0.28; GSPO about 4e-4)."""
+    """The ratio is clipped above at 1 + clip_high (DAPO clip-higher: 0.28; GSPO about 4e-4); geo_mean, dppo_tv,
+    dppo_kl: as clip_low, upwards (verl's clip_ratio_high)."""
     dual_clip: float | None = None
-    """ppo_clip: for negative advantages, cap the loss at -advantage * dual_clip (e.g. 3.0; > 1); None turns it off."""
+    """ppo_clip: for negative advantages, cap the loss at -advantage * dual_clip (e.g. 3.0; > 1); None turns it off
+    (verl's clip_ratio_c, which verl always applies)."""
+    tau_pos: float = 1.0
+    """sapo: gate temperature for tokens with a positive advantage."""
+    tau_neg: float = 1.05
+    """sapo: gate temperature for tokens with a negative advantage (larger: the gate closes faster)."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: the fraction of the batch's tokens whose gradient is dropped."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: only tokens whose advantage-log-prob covariance exceeds this are candidates."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: only tokens whose covariance is below this are candidates."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: the fraction of the batch's tokens (largest covariance) that get the KL penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: coefficient of the |log-ratio| penalty on those tokens."""
+    clip_ratio_c: float = 20.0
+    """dppo_tv, dppo_kl: cap on the (detached) importance weight, a truncated IS weight (the DPPO paper recommends a
+    large one)."""
+    dro_beta: float = 0.1
+    """dro: strength of the quadratic penalty on the log-ratio (> 0)."""
     aggregation: str = "token-mean"
     """How per-token losses become one number: token-mean, seq-mean-token-sum, seq-mean-token-mean,
     seq-mean-token-sum-norm (Dr.GRPO)."""
@@ -125,6 +149,12 @@ class PolicyLossConfig:
             raise UserError(f"{p}norm_len={self.norm_len} must be >= 1 or None (the rollout's max_new_tokens)")
         _check_range(f"{p}entropy_coef", self.entropy_coef, 0.0)
         _check_range(f"{p}kl_loss_coef", self.kl_loss_coef, 0.0)
+        for name in ("tau_pos", "tau_neg", "clip_cov_ratio", "kl_cov_ratio", "dro_beta"):
+            _check_range(f"{p}{name}", getattr(self, name), 0.0, low_open=True)
+        _check_range(f"{p}clip_ratio_c", self.clip_ratio_c, 1.0, low_open=True)
+        _check_range(f"{p}ppo_kl_coef", self.ppo_kl_coef, 0.0)
+        if self.clip_cov_ub <= self.clip_cov_lb:
+            raise UserError(f"{p}clip_cov_ub={self.clip_cov_ub} must be greater than {p}clip_cov_lb={self.clip_cov_lb}")
         if self.kl_clamp is not None:
             _check_range(f"{p}kl_clamp", self.kl_clamp, 0.0, low_open=True)
         used = POLICY_LOSSES.traits(self.name).get("options")
@@ -137,11 +167,15 @@ class KLConfig:
     """KL to the ref model as a per-token reward penalty (PPO-RLHF style): reward_t -= coef * KL estimate_t."""
 
     coef: float = 0.0
-    """Penalty coefficient (fixed; no adaptive controller); 0 turns the penalty off."""
+    """Penalty coefficient (the adaptive controller's starting value, algorithm.kl_ctrl); 0 turns the penalty off."""
     estimator: str = "k1"
     """KL estimator: k1 (log-ratio), k2, k3."""
     clamp: float | None = None
     """Clamp each token's KL estimate to [-clamp, clamp]; None: no clamp."""
+    target_kl: float = 0.1
+    """kl_ctrl=adaptive: the KL (mean over samples of each one's per-token mean) the controller steers towards."""
+    horizon: int = 10000
+    """kl_ctrl=adaptive: samples over which the coefficient changes by at most 20% (Ziegler et al. 2019)."""
 
     def check(self, key: str) -> None:
         p = _prefix(key)
@@ -149,6 +183,9 @@ class KLConfig:
         _check_range(f"{p}coef", self.coef, 0.0)
         if self.clamp is not None:
             _check_range(f"{p}clamp", self.clamp, 0.0, low_open=True)
+        _check_range(f"{p}target_kl", self.target_kl, 0.0, low_open=True)
+        if self.horizon < 1:
+            raise UserError(f"{p}horizon={self.horizon} must be >= 1 (samples)")
 
 
 @dataclass
@@ -253,6 +290,10 @@ class AlgorithmConfig:
     """DAPO dynamic sampling and overlong shaping."""
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     """Importance-sampling correction against the rollout engine's log-probs."""
+    kl_ctrl: str = "fixed"
+    """The KL reward penalty's coefficient: `fixed` (kl.coef throughout) or `adaptive` (Ziegler et al. 2019: starts
+    at kl.coef, steered each step towards kl.target_kl over kl.horizon samples; logged as kl/coef and kept in run
+    checkpoints, so a resumed run continues it)."""
     routing_replay: str = "off"
     """MoE models: which expert choices the trainer's forward passes use (workers/routing_replay.py). `rollout`
     (R3): the experts the rollout engine chose for every token, in the old-log-prob pass and every update (the
@@ -269,6 +310,12 @@ class AlgorithmConfig:
     def check(self, key: str) -> None:
         """Checks across sections (the loader checks each section itself)."""
         p = _prefix(key)
+        check_choice(self.kl_ctrl, KL_CONTROLLERS, f"{p}kl_ctrl", "KL controller")
+        if self.kl_ctrl == "adaptive" and self.kl.coef <= 0:
+            raise UserError(
+                f"{p}kl_ctrl=adaptive scales {p}kl.coef, which is {self.kl.coef}: set {p}kl.coef > 0 (the starting "
+                "coefficient, e.g. 0.05)"
+            )
         for name, valid in (("routing_replay", ROUTING_REPLAY_MODES), ("routing_invalid", ("error", "live"))):
             if getattr(self, name) not in valid:
                 raise UserError(f"{p}{name}={getattr(self, name)!r}: valid are {', '.join(valid)}")
@@ -303,6 +350,14 @@ class AlgorithmConfig:
     def needs_critic(self) -> bool:
         """Whether the advantage estimator reads critic values."""
         return bool(ADVANTAGE_ESTIMATORS.traits(self.advantage.estimator).get("needs_values", False))
+
+    def needs_reward_baselines(self) -> bool:
+        """Whether the estimator needs a greedy baseline response per prompt (remax)."""
+        return bool(ADVANTAGE_ESTIMATORS.traits(self.advantage.estimator).get("needs_reward_baselines", False))
+
+    def needs_sum_pi_squared(self) -> bool:
+        """Whether the estimator needs sum over the vocabulary of p^2 per token from the actor's log-prob pass."""
+        return bool(ADVANTAGE_ESTIMATORS.traits(self.advantage.estimator).get("needs_sum_pi_squared", False))
 
     def needs_ref(self) -> bool:
         """Whether ref log-probs are needed (KL in the reward or as a loss)."""

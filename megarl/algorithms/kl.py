@@ -49,3 +49,12 @@ def kl_estimate(
     if clamp is not None:
         kl_BS = kl_BS.clamp(-clamp, clamp)
     return kl_BS
+
+
+def adaptive_kl_coef(coef: float, current_kl: float, target_kl: float, horizon: int, num_samples: int) -> float:
+    """The next coefficient of the adaptive KL controller (Ziegler et al. 2019, "Fine-Tuning Language Models from
+    Human Preferences", arXiv:1909.08593, section 2.2): with the proportional error e = clip(KL / target_kl - 1,
+    -0.2, 0.2), beta' = beta * (1 + e * num_samples / horizon). KL above the target raises the coefficient, below
+    lowers it, by at most 20% per `horizon` samples. `current_kl` is the KL the policy showed on this batch."""
+    error = min(max(current_kl / target_kl - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * num_samples / horizon)

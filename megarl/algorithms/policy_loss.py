@@ -18,12 +18,13 @@ import torch
 from megarl.algorithms.config import PolicyLossConfig
 from megarl.algorithms.registry import POLICY_LOSSES
 
-_MAX_LOG_RATIO = 20.0
+MAX_LOG_RATIO = 20.0
 
 Metrics = dict[str, torch.Tensor]
 
 
-def _masked(x_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
+def masked(x_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
+    """x where the mask is set, 0 elsewhere (the gradient of x flows only through masked-in positions)."""
     return torch.where(mask_BS, x_BS, 0.0)
 
 
@@ -37,24 +38,24 @@ def clipped_surrogate(
 ) -> tuple[torch.Tensor, Metrics]:
     """loss = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)); with dual_clip c, where A < 0 the loss is
     min(loss, -A * c) (Ye et al. 2020), which bounds the loss of very large ratios on negative advantages."""
-    advantages_BS = _masked(advantages_BS.to(ratio_BS.dtype), mask_BS)
+    advantages_BS = masked(advantages_BS.to(ratio_BS.dtype), mask_BS)
     unclipped_BS = -advantages_BS * ratio_BS
     clipped_BS = -advantages_BS * ratio_BS.clamp(1 - clip_low, 1 + clip_high)
     loss_BS = torch.maximum(unclipped_BS, clipped_BS)
-    metrics = {"clip_frac": _masked((clipped_BS > unclipped_BS).to(ratio_BS.dtype), mask_BS)}
+    metrics = {"clip_frac": masked((clipped_BS > unclipped_BS).to(ratio_BS.dtype), mask_BS)}
     if dual_clip is not None:
         cap_BS = -advantages_BS * dual_clip
         dual_BS = (advantages_BS < 0) & (loss_BS > cap_BS)
         loss_BS = torch.where(dual_BS, cap_BS, loss_BS)
-        metrics["dual_clip_frac"] = _masked(dual_BS.to(ratio_BS.dtype), mask_BS)
-    metrics["ratio"] = _masked(ratio_BS.detach(), mask_BS)
-    return _masked(loss_BS, mask_BS), metrics
+        metrics["dual_clip_frac"] = masked(dual_BS.to(ratio_BS.dtype), mask_BS)
+    metrics["ratio"] = masked(ratio_BS.detach(), mask_BS)
+    return masked(loss_BS, mask_BS), metrics
 
 
-def _approx_kl(log_ratio_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
+def approx_kl(log_ratio_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
     """k3 estimate of KL(pi_old || pi_theta) on tokens sampled from pi_old: r - 1 - log r, r = pi_theta / pi_old."""
     log_ratio_BS = log_ratio_BS.detach()
-    return _masked(torch.exp(log_ratio_BS) - 1 - log_ratio_BS, mask_BS)
+    return masked(torch.exp(log_ratio_BS) - 1 - log_ratio_BS, mask_BS)
 
 
 @POLICY_LOSSES.register("ppo_clip", options=frozenset({"clip_low", "clip_high", "dual_clip"}))
@@ -70,11 +71,11 @@ def ppo_clip(
     clip-higher), optional dual clip for A_t < 0. Leaves out: KL and entropy terms (added by PolicyLoss) and
     off-policy weights (off_policy.py)."""
     mask_BS = response_mask_BS.bool()
-    log_ratio_BS = _masked(logprobs_BS - old_logprobs_BS, mask_BS).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    log_ratio_BS = masked(logprobs_BS - old_logprobs_BS, mask_BS).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     loss_BS, metrics = clipped_surrogate(
         torch.exp(log_ratio_BS), advantages_BS, mask_BS, config.clip_low, config.clip_high, config.dual_clip
     )
-    metrics["approx_kl"] = _approx_kl(log_ratio_BS, mask_BS)
+    metrics["approx_kl"] = approx_kl(log_ratio_BS, mask_BS)
     return loss_BS, metrics
 
 
@@ -94,12 +95,12 @@ def gspo(
     """
     mask_BS = response_mask_BS.bool()
     mask_f_BS = mask_BS.to(logprobs_BS.dtype)
-    log_ratio_BS = _masked(logprobs_BS - old_logprobs_BS, mask_BS)
+    log_ratio_BS = masked(logprobs_BS - old_logprobs_BS, mask_BS)
     seq_log_ratio_B = log_ratio_BS.sum(dim=1) / mask_f_BS.sum(dim=1).clamp(min=1)
-    seq_log_ratio_B = seq_log_ratio_B.detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    token_log_ratio_BS = seq_log_ratio_B[:, None] + _masked(logprobs_BS - logprobs_BS.detach(), mask_BS)
+    seq_log_ratio_B = seq_log_ratio_B.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    token_log_ratio_BS = seq_log_ratio_B[:, None] + masked(logprobs_BS - logprobs_BS.detach(), mask_BS)
     loss_BS, metrics = clipped_surrogate(
         torch.exp(token_log_ratio_BS), advantages_BS, mask_BS, config.clip_low, config.clip_high
     )
-    metrics["approx_kl"] = _approx_kl(log_ratio_BS.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO), mask_BS)
+    metrics["approx_kl"] = approx_kl(log_ratio_BS.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), mask_BS)
     return loss_BS, metrics

@@ -28,11 +28,12 @@ def check_choice(value: str, valid: Iterable[str], key: str, kind: str = "value"
 
 
 class Registry(Generic[F]):
-    """Functions of one kind by name. `builtins` is the module that registers the built-in entries."""
+    """Functions of one kind by name. `builtins` are the modules that register the built-in entries (imported in
+    order, the first time a name is looked up)."""
 
-    def __init__(self, kind: str, builtins: str | None = None) -> None:
+    def __init__(self, kind: str, builtins: str | tuple[str, ...] = ()) -> None:
         self.kind = kind
-        self._builtins = builtins
+        self._builtins = (builtins,) if isinstance(builtins, str) else builtins
         self._entries: dict[str, F] = {}
         self._traits: dict[str, dict[str, Any]] = {}
 
@@ -49,8 +50,8 @@ class Registry(Generic[F]):
         return decorate
 
     def _load_builtins(self) -> None:
-        if self._builtins is not None:
-            module, self._builtins = self._builtins, None
+        modules, self._builtins = self._builtins, ()
+        for module in modules:
             importlib.import_module(module)
 
     def names(self) -> list[str]:
@@ -78,11 +79,16 @@ class Registry(Generic[F]):
         return name in self._entries
 
 
-ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator", "megarl.algorithms.advantages")
+ADVANTAGE_ESTIMATORS: Registry = Registry(
+    "advantage estimator", ("megarl.algorithms.advantages", "megarl.algorithms.advantage_variants")
+)
 """fn(inputs: AdvantageInputs, config: AdvantageConfig) -> (advantages_BS, returns_BS). Traits: needs_values,
 needs_groups (bool, default False), options (the AdvantageConfig fields it reads), aggregation (the aggregation mode
-it is meant to be paired with, if any)."""
-POLICY_LOSSES: Registry = Registry("policy loss", "megarl.algorithms.policy_loss")
+it is meant to be paired with, if any), needs_reward_baselines (a greedy response's score per prompt: remax),
+needs_sum_pi_squared (sum over the vocabulary of p^2 per token from the actor's log-prob pass)."""
+POLICY_LOSSES: Registry = Registry(
+    "policy loss", ("megarl.algorithms.policy_loss", "megarl.algorithms.policy_loss_variants")
+)
 """fn(logprobs_BS, old_logprobs_BS, advantages_BS, response_mask_BS, config: PolicyLossConfig)
 -> (per_token_loss_BS, metrics). Traits: options (the PolicyLossConfig fields it reads beyond the shared ones)."""
 KL_ESTIMATORS: Registry = Registry("KL estimator", "megarl.algorithms.kl")

@@ -1,11 +1,11 @@
 """Export: the local shards of a live Megatron-Core model -> a stream of buckets of whole HF-named tensors.
 
-Contract (DESIGN.md): the union of the buckets over all sending ranks is exactly the HF checkpoint, each tensor
-once, in its HF dtype. TP shards are gathered to the TP group's first rank, which sends; each pipeline stage sends
-its own layers; each expert-parallel rank sends its own experts (gathered over expert TP); tensors an engine fuses at
-load time share a bucket (Architecture.load_groups). Of the replicas holding
-the same weights, only the first takes part: data-parallel (and context-parallel) rank 0 for dense weights,
-expert-data-parallel rank 0 for experts. Memory beyond the model: one bucket plus the tensor being gathered.
+Contract (docs/architecture.md, Export stream): the union of the buckets over all sending ranks is exactly the HF
+checkpoint, each tensor once, in its HF dtype. TP shards are gathered to the TP group's first rank, which sends; each
+pipeline stage sends its own layers; each expert-parallel rank sends its own experts (gathered over expert TP); tensors
+an engine fuses at load time share a bucket (Architecture.load_groups). Of the replicas holding the same weights, only
+the first takes part: data-parallel (and context-parallel) rank 0 for dense weights, expert-data-parallel rank 0 for
+experts. Memory beyond the model: one bucket plus the tensor being gathered.
 """
 
 from __future__ import annotations

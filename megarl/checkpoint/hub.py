@@ -10,12 +10,11 @@ folder is: the workers read the same path.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
+from megarl.config.paths import HUB_ID_RE
 from megarl.errors import UserError
 
-HUB_ID_RE = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?$")
 WEIGHT_FILES = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja")
 """Config, generation config, safetensors (and their index), tokenizer files of every kind, chat templates."""
 CONFIG_FILES = ("*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja")

@@ -4,6 +4,9 @@ not met as a traceback inside the workers after the run folder is written.
 - a HF folder: every safetensors header is well formed (megarl.bridge.safetensors_io.read_header), and the stored
   shapes agree with config.json for the tensors of the first layers, the embeddings and the head (a wrong config
   or a mixed-up checkpoint shows there; the workers' loader checks every tensor again);
+  the shape comparison builds the model on the meta device, whose import alone takes seconds of a run's start-up,
+  so a pass is remembered (a file named by a hash of everything it compared: config, every tensor's name, shape
+  and file, the transformers version) in MEGARL_CACHE_DIR (default ~/.cache/megarl) and not repeated;
 - a Megatron distributed checkpoint (`model/`, `optimizer/`): every file its `.metadata` refers to exists and holds
   the bytes it should (a lost or truncated `.distcp` shard).
 """
@@ -11,6 +14,8 @@ not met as a traceback inside the workers after the run folder is written.
 from __future__ import annotations
 
 import copy
+import hashlib
+import os
 from pathlib import Path
 
 from megarl.errors import UserError
@@ -30,6 +35,9 @@ def check_hf_weights(folder: str | Path, hf_config) -> int:
 
     folder = Path(folder)
     checkpoint = HFCheckpoint(folder, raw=True)  # every header read and checked
+    passed = _passed_before(checkpoint, hf_config)
+    if passed.is_file():
+        return int(passed.read_text())
     config = copy.deepcopy(hf_config)
     config.num_hidden_layers = min(config.num_hidden_layers, LAYERS_CHECKED)
     if isinstance(getattr(config, "layer_types", None), list):  # one entry per layer (sliding/full attention)
@@ -49,7 +57,37 @@ def check_hf_weights(folder: str | Path, hf_config) -> int:
                 "together"
             )
         compared += 1
+    _remember(passed, str(compared))
     return compared
+
+
+def cache_dir() -> Path:
+    """Where megarl remembers checks that passed: MEGARL_CACHE_DIR, else $XDG_CACHE_HOME/megarl (~/.cache/megarl)."""
+    if os.environ.get("MEGARL_CACHE_DIR"):
+        return Path(os.environ["MEGARL_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megarl"
+
+
+def _passed_before(checkpoint, hf_config) -> Path:
+    """The file that says check_hf_weights passed on exactly these inputs (it exists once it has)."""
+    import transformers
+
+    digest = hashlib.sha256(transformers.__version__.encode())
+    digest.update(hf_config.to_json_string(use_diff=False).encode())
+    for name in sorted(checkpoint.names):
+        digest.update(f"\0{name}\0{checkpoint.file_of(name)}\0{list(checkpoint.spec(name).shape)}".encode())
+    return cache_dir() / "verified-weights" / digest.hexdigest()
+
+
+def _remember(path: Path, text: str) -> None:
+    """Write `path` whole or not at all; a cache that cannot be written (read-only home) is skipped."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(text)
+        os.replace(partial, path)
+    except OSError:
+        pass
 
 
 def check_dist_checkpoint(folder: str | Path) -> None:

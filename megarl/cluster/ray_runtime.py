@@ -145,6 +145,10 @@ def _start_local(config: ClusterConfig) -> None:
         include_dashboard=config.include_dashboard,
         log_to_driver=config.log_to_driver,
         runtime_env={"env_vars": thread_env(config.cpus_per_worker)},
+        # Ray would start one idle Python worker per CPU for the first driver; megarl's workers each carry their
+        # own environment (RANK, ...) and so never reuse them: on a small machine they only take the cores the
+        # actors' start-up needs (about a second of CPU each).
+        _system_config={"prestart_worker_first_driver": False},
     )
 
 

@@ -198,13 +198,14 @@ def _where(sources: dict[str, _Layer], key: str) -> str:
     return ""
 
 
-def _missing_keys(data: Any, key: str = "") -> list[str]:
-    if isinstance(data, str) and data == _MISSING:
+def _keys_where(test: Callable[[str], bool], data: Any, key: str = "") -> list[str]:
+    """The dotted keys (`a.b[0].c`) of the strings in `data` that pass `test`."""
+    if isinstance(data, str) and test(data):
         return [key]
     if isinstance(data, dict):
-        return [m for name, item in data.items() for m in _missing_keys(item, f"{key}.{name}" if key else name)]
+        return [k for name, item in data.items() for k in _keys_where(test, item, f"{key}.{name}" if key else name)]
     if isinstance(data, list):
-        return [m for index, item in enumerate(data) for m in _missing_keys(item, f"{key}[{index}]")]
+        return [k for index, item in enumerate(data) for k in _keys_where(test, item, f"{key}[{index}]")]
     return []
 
 
@@ -228,7 +229,7 @@ def _strip_optional(tp: Any) -> Any:
 
 
 def _check_missing(schema: type, raw: Any, path: str | Path | None) -> None:
-    missing = _missing_keys(raw)
+    missing = _keys_where(lambda text: text == _MISSING, raw)
     if not missing:
         return
     listed = ", ".join(f"{key} ({describe_type(_strip_optional(_type_at(schema, key)))})" for key in missing)
@@ -273,20 +274,10 @@ def _dangling_reference(reference: str, raw: Any) -> str | None:
     return None
 
 
-def _interpolation_keys(data: Any, key: str = "") -> list[str]:
-    if isinstance(data, str) and "${" in data:
-        return [key]
-    if isinstance(data, dict):
-        return [k for name, item in data.items() for k in _interpolation_keys(item, f"{key}.{name}" if key else name)]
-    if isinstance(data, list):
-        return [k for index, item in enumerate(data) for k in _interpolation_keys(item, f"{key}[{index}]")]
-    return []
-
-
 def _resolve(config: Any, schema: type, raw: Any, sources: dict[str, _Layer]) -> Any:
     """Plain data with every interpolation resolved and converted to its field's type."""
     # One interpolation at a time first: OmegaConf's own error does not always say which key failed.
-    for key in _interpolation_keys(raw):
+    for key in _keys_where(lambda text: "${" in text, raw):
         try:
             OmegaConf.select(config, key, throw_on_missing=True)
         except OmegaConfBaseException as error:

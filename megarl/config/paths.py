@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal
 
 PathKind = Literal["file", "files", "model", "spec"]
+HUB_ID_RE = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?$")
+"""A Hugging Face Hub model id, `org/name[@revision]` (megarl/checkpoint/hub.py fetches what it names)."""
 _METADATA = "megarl_path"
 
 
@@ -61,11 +64,8 @@ def _anchor(kind: PathKind, value: Any, folder: Path, section: dict[str, Any]) -
     if kind == "spec":
         target, sep, name = value.rpartition(":")
         return f"{os.path.normpath(folder / target)}{sep}{name}" if sep and target.endswith(".py") else value
-    if kind == "model":
-        from megarl.checkpoint.hub import HUB_ID_RE
-
-        if HUB_ID_RE.match(value) and not (folder / value).exists() and not section.get("init"):
-            return value  # a Hub id
+    if kind == "model" and HUB_ID_RE.match(value) and not (folder / value).exists() and not section.get("init"):
+        return value  # a Hub id
     return os.path.normpath(folder / value)  # configs/../runs/x reads as runs/x in messages and config.yaml
 
 

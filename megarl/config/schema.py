@@ -129,6 +129,17 @@ def _unknown_key(key: str, name: object, valid: list[str]) -> ConfigKeyError:
     return ConfigKeyError(full, f"{full} is not a config key; {hint}{under}: {describe_valid(valid)}")
 
 
+def _refused_key(cls: type, key: str, name: str, value: Any) -> ConfigKeyError | None:
+    """A key the section names in its `REFUSED_KEYS` (one that reads as if it did something, and does not): the
+    error names every key the user set under it, and the section's reason."""
+    reason = getattr(cls, "REFUSED_KEYS", {}).get(name)
+    if reason is None:
+        return None
+    full = join_key(key, name)
+    keys = [join_key(full, inner) for inner in value] if isinstance(value, dict) and value else [full]
+    return ConfigKeyError(full, f"{', '.join(keys)}: {full} {reason}")
+
+
 INT64 = (-(2**63), 2**63 - 1)
 AMOUNT_RE = re.compile(
     r"^(num|max|min)_\w+$|_(gb|mb|bytes|s|seconds|tokens|steps|every|len|rounds|restarts|workers|threads|turns|chars)$"
@@ -246,7 +257,7 @@ def _walk_section(cls: type, value: Any, key: str, build_objects: bool) -> Any:
     kwargs = {}
     for name, item in value.items():
         if name not in fields:
-            raise _unknown_key(key, name, list(fields))
+            raise _refused_key(cls, key, name, item) or _unknown_key(key, name, list(fields))
         kwargs[name] = _walk(fields[name], item, join_key(key, name), build_objects)
     if not build_objects:
         return value

@@ -7,8 +7,8 @@ the same length). Conventions for token tensors, shape [batch, seq] and right-pa
 - `response_mask`: 1 on response tokens, the ones a policy is trained on.
 Per-token results (log-probs, values) are aligned with `input_ids`: column t is about token t (its log-prob given
 the tokens before it); column 0 has no prediction and holds 0. Token tensors may have more dimensions: MoE rollouts
-carry `routed_experts` [batch, seq, moe_layers, topk], the experts token t was routed to (megarl/trainer/routing.py);
-splitting, trimming and padding treat them like any token tensor.
+carry `routed_experts` [batch, seq, moe_layers, topk], the experts token t was routed to
+(megarl/trainer/rollout_side/routing.py); splitting, trimming and padding treat them like any token tensor.
 """
 
 from __future__ import annotations

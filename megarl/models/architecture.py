@@ -2,7 +2,7 @@
 
 Families differ by flags on one `Architecture` class, never by copies of it: attention is grouped-query or latent
 (MLA), the MLP dense or mixture-of-experts (an `MoE` value), plus a few checkpoint details. The contract
-(DESIGN.md): `to_mcore(hf_config) -> McoreModelSpec` and `mappings(hf_config) -> list[Mapping]`.
+(docs/architecture.md): `to_mcore(hf_config) -> McoreModelSpec` and `mappings(hf_config) -> list[Mapping]`.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@
 memory check. Nothing here starts a process or reads weights.
 """
 
-from megarl.plan.command import plan_command
 from megarl.plan.planner import run_plan
 from megarl.plan.report import PlanReport, RoleReport
 
-__all__ = ["PlanReport", "RoleReport", "plan_command", "run_plan"]
+__all__ = ["PlanReport", "RoleReport", "run_plan"]

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from megarl.config.job import JobConfig, RoleConfig
 from megarl.errors import UserError
 from megarl.plan.host import host_memory_per_node
 from megarl.plan.memory import GB, RoleMemory, resolve_layout, role_memory
@@ -34,6 +34,9 @@ from megarl.plan.rollout import SGLANG_RUNTIME_GB, EngineMemory, engine_memory
 from megarl.plan.sync import estimate_sync
 from megarl.rollout.sglang_launch import engine_launches
 from megarl.workers.config import OptimizerSettings
+
+if TYPE_CHECKING:
+    from megarl.job import JobConfig, RoleConfig
 
 PROCESS_GB = 1.0
 """Per worker process on a GPU: CUDA context (~0.5 GB on H100) plus NCCL communicator buffers."""
@@ -57,16 +60,7 @@ def run_plan(config: JobConfig, config_path: str = "") -> PlanReport:
     shapes = _shapes(config, roles)
     gpus = config.plan.gpu_memory_gb * GB
     rl = bool(config.rl_stages)
-    placement = place(
-        config.placement.mode,
-        config.placement.train_gpus,
-        config.placement.rollout_gpus,
-        config.rollout.gpus_per_engine,
-        config.cluster.num_nodes,
-        config.cluster.gpus_per_node,
-        [role.name for role in roles],
-        with_rollout=rl,
-    )
+    placement = job_placement(config, roles)
     longest = _longest_sample(config)
     memories, notes = _role_memories(config, roles, shapes, placement, longest)
     engine = None
@@ -131,6 +125,20 @@ def _serves_fp8(config: JobConfig) -> bool:
     from megarl.rollout.weights_format import rollout_quantization
 
     return rollout_quantization(config.rollout, config.model.path) is not None
+
+
+def job_placement(config: JobConfig, roles: list[PlannedRole] | None = None) -> Placement:
+    """Where the job's roles and rollout engines go on the cluster (`roles`: planned_roles(config))."""
+    return place(
+        config.placement.mode,
+        config.placement.train_gpus,
+        config.placement.rollout_gpus,
+        config.rollout.gpus_per_engine,
+        config.cluster.num_nodes,
+        config.cluster.gpus_per_node,
+        [role.name for role in roles or planned_roles(config)],
+        with_rollout=bool(config.rl_stages),
+    )
 
 
 def planned_roles(config: JobConfig) -> list[PlannedRole]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megarl.plan.bandwidths import render_table, table
 from megarl.plan.host import HostMemory
 from megarl.plan.memory import GB
 from megarl.plan.placement import Placement
@@ -55,6 +56,28 @@ class RoleReport:
             )
         return f"{self.name}: {self.extra_problem}" if self.extra_problem else None
 
+    def as_dict(self) -> dict:
+        """One role in `megarl plan --json`: layout, the per-GPU budget (bytes), the verdict."""
+        layout = getattr(self.detail, "layout", None)
+        axes = {}
+        if layout is not None:
+            axes = {axis: getattr(layout, axis) for axis in ("tp", "pp", "vpp", "ep", "etp", "dp", "world")}
+        elif self.detail is not None:  # the rollout engine
+            axes = {axis: getattr(self.detail, axis) for axis in ("tp", "dp", "ep")}
+        return {
+            "layout": self.layout,
+            "parallel": axes,
+            "memory": {
+                "lines": [{"what": what, "bytes": value} for what, value in self.lines],
+                "peak_bytes": self.peak_bytes,
+                "capacity_bytes": self.capacity_bytes,
+                "shortfall_bytes": self.shortfall_bytes,
+            },
+            "fits": self.fits,
+            "info": list(self.info),
+            "problem": self.problem(),
+        }
+
 
 HOST_HEADROOM = 0.9
 """Share of a node's RAM the plan lets a job use (the OS, page cache and file system clients need the rest)."""
@@ -102,6 +125,34 @@ class PlanReport:
     @property
     def fits(self) -> bool:
         return not self.problems
+
+    def as_dict(self) -> dict:
+        """`megarl plan --json`: the plan as one JSON-ready object (bytes as numbers, seconds as floats)."""
+        pl = self.placement
+        return {
+            "config": self.config_path,
+            "model": self.model,
+            "gpu_bytes": self.gpu_bytes,
+            "roles": {role.name: role.as_dict() for role in self.roles},
+            "placement": {
+                "mode": pl.mode,
+                "num_nodes": pl.num_nodes,
+                "gpus_per_node": pl.gpus_per_node,
+                "train_gpus": pl.train_gpus,
+                "rollout_gpus": pl.rollout_gpus,
+                "gpus_per_engine": pl.gpus_per_engine,
+                "num_engines": pl.num_engines,
+                "engine_nodes": pl.engine_nodes,
+                "node_map": [{"nodes": nodes, "what": what} for nodes, what in pl.node_map],
+            },
+            "sync": self.sync.as_dict() if self.sync is not None else None,
+            "bandwidths": table(*self.sync_bandwidths) if self.sync is not None else [],
+            "host_bytes_per_node": self.host_bytes_per_node,
+            "launches": [launch.command for launch in self.launches],
+            "notes": list(dict.fromkeys(pl.notes + self.notes)),
+            "problems": self.problems,
+            "fits": self.fits,
+        }
 
     def render(self) -> str:
         out = [f"megarl plan: {self.config_path}", f"model      {self.model}"]
@@ -160,14 +211,16 @@ def _render_role(role: RoleReport) -> list[str]:
 
 def _render_sync(sync: SyncEstimate, intra: float, inter: float, shared_fs: float) -> list[str]:
     links = f"{intra:g} GB/s inside a node and {inter:g} GB/s per GPU between nodes"
-    if sync.transport.startswith("disk"):
+    if sync.transport == "disk":
         links = f"{shared_fs:g} GB/s of shared file system (plan.shared_fs_gbps)"
     return [
         "weight sync (actor -> rollout engines), one update",
         f"  bytes       {gb(sync.total_bytes)} GB of HF tensors; {sync.num_senders} sending rank(s), the busiest "
         f"sends {gb(sync.max_sender_bytes)} GB in {sync.num_buckets} bucket(s)",
-        f"  transport   {sync.transport}",
+        f"  transport   {sync.transport}: {sync.road}",
         f"  time        gather {sync.gather_s:.1f} s + transfer {sync.transfer_s:.1f} s + per-bucket calls "
         f"{sync.overhead_s:.1f} s = {sync.seconds:.1f} s",
         f"              (a lower bound at {links}; measured syncs run 1.5-3x longer)",
+        "  figures assumed (megarl/plan/bandwidths.py; config: this job's plan.* keys)",
+        *render_table(intra, inter, shared_fs),
     ]

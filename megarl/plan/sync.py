@@ -7,9 +7,13 @@ busiest sender's share is max over stages of dense_stage + experts_stage / ep.
 
 Time, as sums and maxima of bytes / bandwidth (PlanConfig: intra-node per GPU, inter-node per GPU):
 - gather: the TP (and expert-TP) all-gather before sending, (tp - 1) / tp of the stage's dense bytes;
-- ipc (colocated: CUDA IPC to the engine on the same GPUs): an engine needs all B bytes; the part held on its own nodes
-  (its share of the training nodes, weights assumed spread evenly) moves inside the node, the rest enters through
-  the engine GPUs' network links; each engine GPU then reads its 1/tp slice over NVLink;
+- ipc (colocated: CUDA IPC to the engine on the same GPUs), an engine within a node: an engine needs all B bytes; the
+  part held on its own nodes (its share of the training nodes, weights assumed spread evenly) moves inside the node,
+  the rest enters through the engine GPUs' network links; each engine GPU then reads its 1/tp slice over NVLink;
+- ipc relay (colocated engines across nodes, megarl/workers/ipc_relay.py): the owners broadcast each bucket to every
+  trainer rank, whose copy its engine GPU opens by CUDA IPC; every node needs the B bytes it does not hold, entering
+  through all of its GPUs' network links at once (a multi-rail broadcast), and every GPU receives all B bytes
+  (NVLink inside the node); only IPC handle strings cross the network besides;
 - nccl (split: one broadcast per bucket to every engine GPU): all B bytes enter each rollout node through its GPUs'
   links (NVLink when training and rollout share one node), and every engine GPU receives whole tensors (B) from the
   node's fan-out;
@@ -23,22 +27,19 @@ Time, as sums and maxima of bytes / bandwidth (PlanConfig: intra-node per GPU, i
 With FP8 rollout (rollout.weights_format) the expert weights travel at one byte per element, the rest at the
 checkpoint's width (attention projections are FP8 too: a slight overestimate). Bandwidths are ideal (every GPU's
 link busy, no contention) and the pause / cache flush around the update is not counted: read the result as a lower
-bound; measured syncs are typically 1.5-3x slower. Calibration: only the object-store road has been measured
-(tools/bench/refit.py, CPU); the GPU roads await tools/bench/gpu_refit.py on a GPU.
+bound; measured syncs are typically 1.5-3x slower. The figures and their sources are one table:
+megarl/plan/bandwidths.py (calibration: only the object-store road has been measured, on CPU; the GPU roads await
+the GPU kit).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megarl.plan.bandwidths import BUCKET_OVERHEAD_S, HOST_GBPS
 from megarl.plan.memory import RoleLayout
 from megarl.plan.model_size import ModelShape, hf_numel
 from megarl.plan.placement import Placement
-
-HOST_GBPS = 10.0
-"""Object-store road: device -> host -> shared memory -> host -> device, about a PCIe link's worth per sender."""
-BUCKET_OVERHEAD_S = 0.01
-"""Fixed cost of one bucket on the engine side (a guess: HTTP / IPC round trip plus SGLang's per-call work)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class SyncEstimate:
     num_buckets: int
     """Buckets the busiest sender fills (rollout.bucket_bytes each)."""
     transport: str
+    """The resolved rollout.weight_sync: ipc, ipc_relay (ipc for engines across nodes), nccl, object_store, disk."""
+    road: str
+    """How the bytes travel, one line."""
     gather_s: float
     transfer_s: float
     overhead_s: float
@@ -57,6 +61,21 @@ class SyncEstimate:
     @property
     def seconds(self) -> float:
         return self.gather_s + self.transfer_s + self.overhead_s
+
+    def as_dict(self) -> dict:
+        """`megarl plan --json`'s "sync" object."""
+        return {
+            "transport": self.transport,
+            "road": self.road,
+            "bytes": self.total_bytes,
+            "seconds": round(self.seconds, 3),
+            "gather_s": round(self.gather_s, 3),
+            "transfer_s": round(self.transfer_s, 3),
+            "overhead_s": round(self.overhead_s, 3),
+            "num_senders": self.num_senders,
+            "max_sender_bytes": self.max_sender_bytes,
+            "num_buckets": self.num_buckets,
+        }
 
 
 def estimate_sync(
@@ -71,8 +90,8 @@ def estimate_sync(
     fp8: bool = False,
     shared_fs_gbps: float = 20.0,
 ) -> SyncEstimate:
-    """`transport`: the resolved rollout.weight_sync (ipc, nccl, object_store, disk); auto: ipc colocated, nccl
-    split. fp8: the engines take FP8 weights (rollout.weights_format resolved)."""
+    """`transport`: the resolved rollout.weight_sync (ipc, ipc_relay, nccl, object_store, disk); auto: ipc
+    colocated, nccl split. fp8: the engines take FP8 weights (rollout.weights_format resolved)."""
     if transport == "auto":
         transport = "ipc" if placement.mode == "colocated" else "nccl"
     nbytes = shape.hf_dtype_bytes
@@ -94,21 +113,28 @@ def estimate_sync(
         gathers.append(gather)
     max_share = max(shares)
     if transport == "object_store":
-        road = "object_store: host copies through Ray's object store, loaded by each engine's worker"
+        road = "host copies through Ray's object store, loaded by each engine's worker"
         transfer = max(total / (HOST_GBPS * 1e9), max_share / (HOST_GBPS * 1e9))
     elif transport == "disk":
-        road = "disk: safetensors files in the run directory, read by every node of every engine"
+        road = "safetensors files in the run directory, read by every node of every engine"
         engine_nodes = placement.num_engines * placement.engine_nodes
         transfer = total * (1 + engine_nodes) / (shared_fs_gbps * 1e9)
+    elif transport == "ipc_relay":
+        road = (
+            "per-node relay: each bucket broadcast from its owners to every trainer rank in one global sender "
+            "order, opened by the engine GPU under it through CUDA IPC; only handles cross the network"
+        )
+        remote = total * (1 - 1 / max(1, placement.train_nodes))
+        transfer = max(remote / (gpn * inter), total / intra, max_share / inter)
     elif transport == "ipc":
-        road = "ipc: CUDA IPC into the engines on the same GPUs (update_weights_from_tensor)"
+        road = "CUDA IPC into the engines on the same GPUs (update_weights_from_tensor)"
         local_fraction = min(1.0, placement.engine_nodes / max(1, placement.train_nodes))
         remote = total * (1 - local_fraction)
         network = remote / (placement.gpus_per_engine * inter) if remote else 0.0
         send = max_share / inter if placement.train_nodes > placement.engine_nodes else max_share / intra
         transfer = max(network, send, total / engine_tp / intra)
     else:
-        road = "nccl: one broadcast per bucket to every engine GPU (update_weights_from_distributed)"
+        road = "one broadcast per bucket to every engine GPU (update_weights_from_distributed)"
         link = intra if placement.single_node else inter
         ingress = total / (min(gpn, placement.gpus_per_engine) * link)
         transfer = max(ingress, max_share / link, total / intra)
@@ -117,7 +143,8 @@ def estimate_sync(
         num_senders=layout.pp * layout.ep,
         max_sender_bytes=max_share,
         num_buckets=int(-(-max_share // bucket_bytes)),
-        transport=road,
+        transport=transport,
+        road=road,
         gather_s=max(gathers),
         transfer_s=transfer,
         overhead_s=-(-total // bucket_bytes) * BUCKET_OVERHEAD_S,

@@ -92,7 +92,7 @@ class HFEngineConfig:
     """Run the engine inside the actor's worker process (verl's hybrid engine): generation computes on the actor's
     own thread and the weight sync is an in-process copy, with no Ray call or host copy between them. Possible
     with placement.mode=colocated, one actor worker (placement.train_gpus=1), one engine and
-    rollout.weight_sync=auto (config/job.py `hybrid_engine`). auto: whenever possible on a machine without CUDA
+    rollout.weight_sync=auto (megarl/job.py `hybrid_engine`). auto: whenever possible on a machine without CUDA
     (a local Ray instance; on GPUs it has not run yet); on: also on GPUs, and refuse a job where it is not
     possible; off: the engine has a worker of its own."""
 
@@ -233,6 +233,12 @@ class RolloutConfig:
     object store: CPU, and the fallback), `disk` (safetensors files in the run directory, read by every engine on
     every node: engines across nodes); `auto` picks ipc when colocated on GPUs, nccl when split with SGLang and one
     sending rank, object_store otherwise, and disk for engines across nodes that no broadcast reaches."""
+    weight_sync_delta: Literal["auto", "on", "off"] = "auto"
+    """Delta sync (megarl/workers/weight_delta.py): after a full sync, each sending rank sends only the elements
+    whose bytes changed (indices + values) with a checksum per bucket that the engine verifies; a mismatch fails
+    the sync, quarantines the engines and the next sync is full, as after any engine restart, resume or layout
+    change. `on`: every sync after the first (hf engine: applied in place); `off`: whole tensors; `auto`: on for
+    the hf engine, off for SGLang (whose delta loader, --custom-weight-loader, is not wired into the sync yet)."""
     weights_format: Literal["auto", "bf16", "fp8"] = "auto"
     """The weights the engines serve: `fp8` (block-wise 128x128 e4m3 with weight_scale_inv, as DeepSeek-V3/R1
     publish theirs; the sending ranks quantize at every sync, training stays bf16; SGLang only), `bf16` (the training
@@ -245,6 +251,10 @@ class RolloutConfig:
     """Check that the engine holds the weights just sent (SGLang: checksums of a sample of tensors through its
     weights checker; a mismatch stops the run naming the tensor): after the first sync, after every sync, or
     never."""
+
+    def sync_delta(self, transport: str) -> bool:
+        """Whether syncs after the first send deltas (weight_sync_delta resolved for the road `transport`)."""
+        return self.weight_sync_delta != "off" and self.backend == "hf" and transport != "in_process"
 
     def check(self, key: str) -> None:
         if self.gpus_per_engine < 1:
@@ -262,6 +272,13 @@ class RolloutConfig:
             raise UserError(
                 f"{key}.weights_format=fp8 needs {key}.backend=sglang (the hf engine computes in {key}.hf.dtype); "
                 "use auto or bf16"
+            )
+        if self.weight_sync_delta not in ("auto", "on", "off"):
+            raise UserError(f"{key}.weight_sync_delta={self.weight_sync_delta!r}: valid are auto, on, off")
+        if self.weight_sync_delta == "on" and self.backend != "hf":
+            raise UserError(
+                f"{key}.weight_sync_delta=on is applied by the hf engine; {key}.backend={self.backend!r}: use auto or "
+                "off"
             )
         if self.routed_experts not in ("auto", "off"):
             raise UserError(f"{key}.routed_experts={self.routed_experts!r}: valid are auto, off")

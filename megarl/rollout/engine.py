@@ -1,4 +1,4 @@
-"""The rollout engine interface (DESIGN.md): what the trainer asks of any backend.
+"""The rollout engine interface (docs/architecture.md): what the trainer asks of any backend.
 
 An engine turns prompts (token ids) into completions with per-token log-probs, takes new weights as buckets of
 HF-named tensors (names exactly as in the HF safetensors checkpoint, tensors whole, in the HF dtype), and carries a
@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from megarl.errors import UserError
 from megarl.rollout.config import SamplingParams
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -48,6 +49,18 @@ class GenerateRequest:
     """Log-probs of the prefix tokens, as recorded when they were generated."""
     prefix_versions: list[int] = field(default_factory=list)
     """Weight version that generated each prefix token."""
+
+    def check(self, i: int) -> None:
+        """Raise UserError (naming `requests[i]`) for a request no engine can serve or whose prefix records are
+        incomplete."""
+        if not self.prompt_ids:
+            raise UserError(f"requests[{i}].prompt_ids is empty; the engine needs at least one prompt token")
+        num_prefix = len(self.prefix_ids)
+        if len(self.prefix_logprobs) != num_prefix or len(self.prefix_versions) != num_prefix:
+            raise UserError(
+                f"requests[{i}] has {num_prefix} prefix_ids but {len(self.prefix_logprobs)} prefix_logprobs "
+                f"and {len(self.prefix_versions)} prefix_versions; give one of each per prefix token"
+            )
 
 
 @dataclass

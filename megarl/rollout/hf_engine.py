@@ -199,14 +199,7 @@ class HFEngine(RolloutEngine):
     def _check_requests(self, requests: Sequence[GenerateRequest], sampling: SamplingParams) -> None:
         vocab_size = self.model.get_input_embeddings().num_embeddings
         for i, request in enumerate(requests):
-            if not request.prompt_ids:
-                raise UserError(f"requests[{i}].prompt_ids is empty; the engine needs at least one prompt token")
-            num_prefix = len(request.prefix_ids)
-            if len(request.prefix_logprobs) != num_prefix or len(request.prefix_versions) != num_prefix:
-                raise UserError(
-                    f"requests[{i}] has {num_prefix} prefix_ids but {len(request.prefix_logprobs)} prefix_logprobs "
-                    f"and {len(request.prefix_versions)} prefix_versions; give one of each per prefix token"
-                )
+            request.check(i)
             bad = [t for t in (*request.prompt_ids, *request.prefix_ids) if not 0 <= t < vocab_size]
             if bad:
                 raise UserError(f"requests[{i}] holds token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")

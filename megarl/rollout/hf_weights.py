@@ -239,7 +239,15 @@ class WeightLoader:
     @torch.no_grad()
     def load(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy each tensor into its region (cast to the model's dtype). Checks every name and shape first, so a bad
-        bucket changes nothing."""
+        bucket changes nothing. A delta bucket (megarl/workers/weight_delta.py wire format) is applied in place and
+        its checksum verified."""
+        from megarl.workers.weight_delta import bucket_to_delta
+
+        bucket = list(bucket)
+        delta = bucket_to_delta(bucket, lambda name: self._destination_shape(name))
+        if delta is not None:
+            self.apply_delta(delta)
+            return
         writes = []
         for name, tensor in bucket:
             dest = self.destination(name)
@@ -255,4 +263,33 @@ class WeightLoader:
             target = self._tensors[dest.target]
             (target[dest.index] if dest.index else target).copy_(tensor)
             self.counts.loaded.add(name)
+            self.counts.num_tensors += 1
+
+    def _destination_shape(self, name: str) -> tuple[int, ...]:
+        dest = self.destination(name)
+        if dest is None:
+            raise UserError(f"weight update: a delta for {name!r}, which this model does not hold")
+        return dest.shape
+
+    @torch.no_grad()
+    def apply_delta(self, delta) -> None:
+        """A delta bucket (megarl/workers/weight_delta.py `DeltaBucket`) in place: each sent tensor's region of the
+        model gets the changed elements, then the bucket's checksum is verified (DeltaMismatch otherwise)."""
+        from megarl.workers.weight_delta import apply_delta
+
+        entries = [entry for entry in delta.entries if self.destination(entry.name) is not None]
+        if len(entries) != len(delta.entries):  # skipped names: the checksum covers what the sender sent
+            raise UserError(
+                "weight update: a delta bucket names tensors this model does not hold "
+                f"({sorted({e.name for e in delta.entries} - {e.name for e in entries})[:3]}); send such names whole"
+            )
+
+        def region(name: str) -> torch.Tensor:
+            dest = self.plan[name]
+            target = self._tensors[dest.target]
+            return target[dest.index] if dest.index else target
+
+        apply_delta(delta, region)
+        for entry in entries:
+            self.counts.loaded.add(entry.name)
             self.counts.num_tensors += 1

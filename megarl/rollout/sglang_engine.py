@@ -89,7 +89,6 @@ __all__ = [
     "SGLangEngine",
     "Slot",
     "build_generate_payload",
-    "check_request",
     "parse_completion",
     "visible_device_index",
 ]
@@ -147,7 +146,7 @@ def build_generate_payload(
     """
     input_ids, params, rids, slots = [], [], [], []
     for i, request in enumerate(requests):
-        check_request(i, request)
+        request.check(i)
         tokens = list(request.prompt_ids) + list(request.prefix_ids)
         # the prefix counts towards max_new_tokens: a resumed rollout ends where the uninterrupted one would
         budget = sampling.max_new_tokens - len(request.prefix_ids)
@@ -188,18 +187,6 @@ def sglang_checksum(tensor: torch.Tensor) -> str | None:
     except Exception:  # not installed, or its imports fail here: verification is skipped, not the run
         return None
     return f"{tensor_hash(tensor.detach().contiguous()):016x}"
-
-
-def check_request(i: int, request: GenerateRequest) -> None:
-    """Raise UserError for a request SGLang could not serve or whose prefix records are incomplete."""
-    if not request.prompt_ids:
-        raise UserError(f"requests[{i}].prompt_ids is empty; the engine needs at least one prompt token")
-    num_prefix = len(request.prefix_ids)
-    if len(request.prefix_logprobs) != num_prefix or len(request.prefix_versions) != num_prefix:
-        raise UserError(
-            f"requests[{i}] has {num_prefix} prefix_ids but {len(request.prefix_logprobs)} prefix_logprobs "
-            f"and {len(request.prefix_versions)} prefix_versions; give one of each per prefix token"
-        )
 
 
 def visible_device_index(gpu_id: int | str, visible_devices: str | None) -> int:

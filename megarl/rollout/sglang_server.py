@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from megarl.rollout.config import MANAGED_ARGS, SGLangEngineConfig
 from megarl.rollout.sglang_client import SGLangClient, SGLangError
@@ -150,31 +151,11 @@ def build_server_args(
     return args
 
 
-def build_server_command(
-    config: SGLangEngineConfig,
-    model_path: str | os.PathLike,
-    *,
-    host: str,
-    port: int,
-    base_gpu_id: int = 0,
-    load_format: str | None = None,
-    node: NodePlace = NodePlace(),
-    quantization: dict | None = None,
-    return_routed_experts: bool = False,
-) -> list[str]:
-    """`python -m sglang.launch_server ...` with `config.python` (default: this interpreter)."""
+def build_server_command(config: SGLangEngineConfig, model_path: str | os.PathLike, **options: Any) -> list[str]:
+    """`python -m sglang.launch_server ...` with `config.python` (default: this interpreter); `options` are
+    build_server_args' keyword arguments (host, port, base_gpu_id, load_format, node, quantization, ...)."""
     head = [config.python or sys.executable, "-m", "sglang.launch_server"]
-    return head + build_server_args(
-        config,
-        model_path,
-        host=host,
-        port=port,
-        base_gpu_id=base_gpu_id,
-        load_format=load_format,
-        node=node,
-        quantization=quantization,
-        return_routed_experts=return_routed_experts,
-    )
+    return head + build_server_args(config, model_path, **options)
 
 
 def has_weight_files(model_path: str | os.PathLike) -> bool:

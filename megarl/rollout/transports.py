@@ -4,6 +4,10 @@
   copy of the bucket on its own GPU: no host copy. With SGLang the rank posts SGLang's flattened-bucket payload to
   the engine itself (update_weights_from_tensor, one payload per engine TP rank); with the hf engine the handle goes
   through Ray to the engine's worker. An engine on none of the sending ranks' GPUs gets the object-store road.
+  SGLang engines across nodes take the per-node relay (megarl/workers/ipc_relay.py): the bucket's owners broadcast
+  it to every trainer rank, each engine GPU opens the copy of the trainer rank under it by CUDA IPC, and the
+  handle strings are gathered to the engine's first rank, which posts them: only handles cross the network. It
+  resolves to the transport `ipc_relay`.
 - `nccl`: SGLang engines on GPUs of their own (split). The sending rank broadcasts each flattened bucket once to
   every engine GPU through a process group set up at the first sync (update_weights_from_distributed).
 - `object_store`: host copies through Ray's object store, to each engine's worker, which loads them (CPU, and the
@@ -13,9 +17,10 @@
   on every node). The road for engines across nodes when no broadcast group can be used: CUDA IPC handles and the
   rollout worker's host copies reach only the GPUs of its own node.
 - `in_process`: not a choice of `rollout.weight_sync`: a hybrid engine's (rollout.hf.hybrid: the engine runs inside
-  the one actor worker) weights are copied in place by that worker (config/job.py `weight_sync_transport`).
+  the one actor worker) weights are copied in place by that worker (megarl/job.py `weight_sync_transport`).
 - `auto`: for engines within a node, ipc when colocated, nccl when split with SGLang and one sending rank,
-  object_store otherwise; for engines across nodes, nccl when split with SGLang and one sending rank, else disk.
+  object_store otherwise; for engines across nodes, ipc_relay when colocated with SGLang, nccl when split
+  with SGLang and one sending rank, else disk.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Literal
 
 from megarl.errors import UserError
 
-Transport = Literal["ipc", "nccl", "object_store", "disk"]
+Transport = Literal["ipc", "ipc_relay", "nccl", "object_store", "disk"]
 TRANSPORTS = ("ipc", "nccl", "object_store", "disk")
 
 
@@ -43,15 +48,24 @@ def resolve_weight_sync(
     one_sender = actor_pp == 1 and actor_ep == 1
     if choice == "auto":
         if engine_nodes > 1:
-            return "nccl" if backend == "sglang" and one_sender and not colocated else "disk"
+            if backend == "sglang" and colocated:
+                return "ipc_relay"
+            return "nccl" if backend == "sglang" and one_sender else "disk"
         if colocated:
             return "ipc"
         return "nccl" if backend == "sglang" and one_sender else "object_store"
-    if choice in ("ipc", "object_store") and engine_nodes > 1:
+    if choice == "object_store" and engine_nodes > 1:
         raise UserError(
             f"{key}={choice} reaches only the GPUs of one node, and each rollout engine spans {engine_nodes} nodes; "
-            "use disk (or nccl: split placement, actor pp=1 and ep=1)"
+            "use disk, ipc (colocated SGLang: the per-node relay) or nccl (split placement, actor pp=1 and ep=1)"
         )
+    if choice == "ipc" and engine_nodes > 1 and colocated:
+        if backend != "sglang":
+            raise UserError(
+                f"{key}=ipc across nodes is the per-node relay into SGLang engines; rollout.backend={backend!r}: use "
+                "disk"
+            )
+        return "ipc_relay"
     if choice == "ipc" and not colocated:
         raise UserError(
             f"{key}=ipc needs the engines on the actor's GPUs (placement.mode=colocated); with placement.mode="

@@ -1,4 +1,4 @@
-"""The device boundary of a worker, in one place (DESIGN: device boundary).
+"""The device boundary of a worker, in one place (docs/architecture.md: device boundary).
 
 Batches cross the Ray boundary as CPU tensors. A worker moves what arrives to its device with `to_device` and
 brings what it returns back with `to_host` (cluster/worker.py does both around every call), so schedule, loss and

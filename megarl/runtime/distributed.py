@@ -96,7 +96,7 @@ def init_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
             f"(tp={parallel.tp}, pp={parallel.pp}, cp={parallel.cp})"
         )
     _groups_before_megatron.clear()
-    _groups_before_megatron.update(_process_groups())
+    _groups_before_megatron.update(process_groups())
     parallel_state.initialize_model_parallel(**parallel.megatron_sizes())
     set_seed(seed)
 
@@ -110,19 +110,25 @@ def destroy_model_parallel() -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    if dist.is_initialized() and _groups_before_megatron:
-        for group in _process_groups() - _groups_before_megatron:
-            dist.destroy_process_group(group)
+    if _groups_before_megatron:
+        destroy_groups_since(_groups_before_megatron)
     _groups_before_megatron.clear()
 
 
 _groups_before_megatron: set = set()
 
 
-def _process_groups() -> set:
+def process_groups() -> set:
+    """The process groups of this process's world (the default group included)."""
     if not dist.is_initialized():
         return set()
     return set(dist.distributed_c10d._world.pg_map)  # no public listing of groups exists
+
+
+def destroy_groups_since(before: set) -> None:
+    """Destroy every process group created since `before` (a `process_groups()` snapshot)."""
+    for group in process_groups() - before:
+        dist.destroy_process_group(group)
 
 
 @contextmanager

@@ -30,7 +30,12 @@ def _rank_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results: 
     import torch
 
     torch.set_num_threads(1)
-    from megarl.runtime.distributed import destroy_model_parallel, init_distributed
+    from megarl.runtime.distributed import (
+        destroy_groups_since,
+        destroy_model_parallel,
+        init_distributed,
+        process_groups,
+    )
 
     init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, timeout_s=300)
     while True:
@@ -38,12 +43,16 @@ def _rank_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results: 
         if task is None:
             return
         task_id, fn, args, kwargs = task
+        groups_before = process_groups()
         try:
             results.put((task_id, rank, True, fn(*args, **kwargs)))
         except BaseException:  # report everything, including SystemExit from a bad function
             results.put((task_id, rank, False, traceback.format_exc()))
         finally:
             destroy_model_parallel()
+            # groups a function made itself (dist.new_group outside Megatron): each holds gloo threads that would
+            # pile up over a test suite's thousands of calls
+            destroy_groups_since(groups_before)
 
 
 class RankPool:

@@ -60,7 +60,7 @@ _ALIGN = 16
 @dataclass(frozen=True)
 class IpcBucket:
     """A bucket flattened into one CUDA buffer, shared through a CUDA IPC handle: the receiver maps the sender's
-    memory on the same GPU, no host copy (DESIGN: weight transports, colocated)."""
+    memory on the same GPU, no host copy (docs/architecture.md: weight transports, colocated)."""
 
     device_uuid: str
     """The GPU holding the buffer (a receiver finds it among the devices it sees by this id)."""

@@ -28,8 +28,11 @@ class OptimizerSettings:
     weight_decay: float = 0.0
     """Decoupled weight decay (AdamW); not applied to biases and norms."""
     beta1: float = 0.9
+    """Adam's decay rate of the gradient's running mean, in [0, 1)."""
     beta2: float = 0.999
+    """Adam's decay rate of the squared gradient's running mean, in [0, 1)."""
     eps: float = 1e-8
+    """Added to the denominator of Adam's update, for numerical stability."""
     clip_grad: float = 1.0
     """Clip the global gradient norm (over all model-parallel ranks) to this; 0 = no clipping."""
     use_distributed_optimizer: bool = True

@@ -71,13 +71,21 @@ class MegatronWorker(Worker):
     # -- policy (actor, ref) -------------------------------------------------------------------------------------
 
     def compute_logprobs(
-        self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False, routing: str = "off"
+        self,
+        batch: Batch,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        routing: str = "off",
+        with_sum_pi_squared: bool = False,
     ) -> Batch | None:
         """Log-probs; MoE models: `routing` says what the routers do (observe, replay, record: policy.py)."""
         from megarl.workers.policy import compute_logprobs
 
         budget = self.micro_batch.forward_budget
-        return compute_logprobs(self.model, batch, temperature, budget, with_entropy, routing, self._packing(batch))
+        packing = self._packing(batch)
+        return compute_logprobs(
+            self.model, batch, temperature, budget, with_entropy, routing, packing, with_sum_pi_squared
+        )
 
     def update_policy(self, batch: Batch, loss_fn, temperature: float = 1.0) -> dict[str, float]:
         from megarl.workers.policy import update_policy

@@ -29,7 +29,7 @@ from megarl.workers.schedule import (
     shares_prompts,
     split_micro_batches,
 )
-from megarl.workers.token_stats import prepare_logits, token_entropy, token_logprobs
+from megarl.workers.token_stats import prepare_logits, token_entropy, token_logprobs, token_sum_pi_squared
 from megarl.workers.train_step import MetricSums, train_step, weighted
 
 
@@ -51,8 +51,10 @@ def compute_logprobs(
     with_entropy: bool = False,
     routing: str = "off",
     packing: bool = False,
+    with_sum_pi_squared: bool = False,
 ) -> Batch | None:
-    """`logprobs` [B, S] (and `entropy`) aligned with input_ids; a Batch on output ranks, None elsewhere.
+    """`logprobs` [B, S] (and `entropy`, `sum_pi_squared`: sum over the vocabulary of p^2) aligned with input_ids;
+    a Batch on output ranks, None elsewhere.
 
     MoE models, `routing` (workers/routing_replay.py): `observe` or `replay` the batch's routed_experts; `record`
     the live routing, returned as `routed_experts` and `routing_mask`; `off`: live routing, nothing added. Where
@@ -75,6 +77,8 @@ def compute_logprobs(
             payload: dict[str, Any] = {"logprobs": token_logprobs(logits, tensors["input_ids"], positions)}
             if with_entropy:
                 payload["entropy"] = token_entropy(logits, positions)
+            if with_sum_pi_squared:
+                payload["sum_pi_squared"] = token_sum_pi_squared(logits, positions)
             return logits.new_zeros(()), torch.ones((), dtype=torch.int, device=logits.device), payload
 
         return output, loss_fn
@@ -89,7 +93,7 @@ def compute_logprobs(
     routing_results = _routing_results(model, replay, micro_batches, num_rows, width, compared) if replay else {}
     if not is_output_rank():
         return None
-    names = ["logprobs", "entropy"] if with_entropy else ["logprobs"]
+    names = ["logprobs"] + ["entropy"] * with_entropy + ["sum_pi_squared"] * with_sum_pi_squared
     tensors = {name: scatter_rows(micro_batches, payloads, name, num_rows, width) for name in names}
     return Batch(tensors | routing_results)
 

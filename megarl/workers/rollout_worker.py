@@ -4,7 +4,7 @@ Engines are independent replicas: the controller splits requests among them. Wei
 actor's sending ranks as buckets (workers/weight_sync.py), framed by begin/finish calls from the controller.
 
 An engine of several GPUs (rollout.gpus_per_engine > 1) has one worker, on the first of its bundles; the worker
-sees the node's GPUs (trainer/roles.py) and `setup` gets the engine's GPU ids, which go to engines whose
+sees the node's GPUs (trainer/lifecycle/roles.py) and `setup` gets the engine's GPU ids, which go to engines whose
 constructor takes `gpu_ids`. An engine across nodes (SGLang --nnodes) is driven by the worker on its first node,
 which starts one EngineNode actor on each other node (megarl/workers/engine_nodes.py) and stops with an error
 naming the node when one of them is gone.

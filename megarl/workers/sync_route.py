@@ -1,5 +1,6 @@
-"""Where a weight sync goes: the engines and the transport, decided once by the controller (trainer/engine_sync.py)
-and handed to every sending rank (workers/weight_sync.py). Imports nothing heavy: the controller builds it."""
+"""Where a weight sync goes: the engines and the transport, decided once by the controller
+(trainer/rollout_side/engine_sync.py) and handed to every sending rank (workers/weight_sync.py). Imports nothing
+heavy: the controller builds it."""
 
 from __future__ import annotations
 
@@ -22,15 +23,20 @@ class EngineTarget:
 
 @dataclass(frozen=True)
 class SyncRoute:
-    """How this job's weights travel (decided once by the controller: trainer/engine_sync.py)."""
+    """How this job's weights travel (decided once by the controller: trainer/rollout_side/engine_sync.py)."""
 
     transport: str
-    """ipc, nccl or object_store (rollout.weight_sync resolved)."""
+    """ipc, ipc_relay, nccl, object_store, disk or in_process (rollout.weight_sync resolved)."""
     engines: tuple[EngineTarget, ...]
     group_name: str = "megarl_weights"
     timeout_s: float = 600.0
     disk_dir: str | None = None
     """The disk transport: the folder (shared by every node) this sync's files go to."""
+    delta: str = "off"
+    """rollout.weight_sync_delta for this sync: off (whole tensors), full (whole, and the senders start a new
+    snapshot) or delta (changed elements against the snapshot)."""
+    gpus_per_engine: int = 1
+    """GPUs of one engine (rollout.gpus_per_engine): the ipc_relay road's engine groups of actor ranks."""
     quantization: dict | None = None
     """The engines' weight format (rollout.weights_format resolved): a block-wise FP8 quantization_config makes the
     senders quantize each bucket into the FP8 checkpoint's names, shapes and dtypes; None sends the weights as

@@ -71,6 +71,19 @@ def token_entropy(logits_BSV: torch.Tensor, position_ids_BS: torch.Tensor | None
     return align_to_tokens(entropy.squeeze(-1), position_ids_BS)
 
 
+def token_sum_pi_squared(logits_BSV: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_v p_v^2 of the next-token distribution (the optimal token baseline's gradient-norm term), aligned like
+    `token_logprobs`: sum_v exp(2 z_v) / Z^2 with the max-shifted logits z, the max and both sums reduced across TP
+    ranks. Not differentiable (a statistic of the log-prob pass)."""
+    local_max = logits_BSV.max(dim=-1, keepdim=True).values.detach()
+    global_max = local_max.clone()
+    all_reduce(global_max, op=torch.distributed.ReduceOp.MAX, group=_tp_group())
+    exp = (logits_BSV.detach() - global_max).exp()
+    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1, keepdim=True))
+    sum_sq = reduce_from_tensor_model_parallel_region(exp.square().sum(dim=-1, keepdim=True))
+    return align_to_tokens((sum_sq / sum_exp.square()).squeeze(-1), position_ids_BS)
+
+
 def align_to_tokens(per_position_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
     """Predictions for token t + 1 made at t -> column t + 1; column 0 gets 0, and so does every packed sample's
     first token (predicted from the sample before it)."""

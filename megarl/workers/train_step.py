@@ -3,8 +3,8 @@
 A role supplies `objective(output, micro_batch) -> (loss, metrics)`: `loss` is the micro-batch's contribution to
 the global objective (already weighted by its share of the whole mini-batch, see algorithms/aggregation), and
 `metrics` maps names to (weighted sum, weight) pairs. Gradients sum over micro-batches and data-parallel ranks;
-metrics are summed the same way and divided once at the end (STYLE.md habit 9: reduced in one place). A metric
-whose name ends in `_max` is a largest value instead: (max, 1) pairs, reduced by max.
+metrics are summed the same way and divided once at the end (docs/architecture.md, habit 9: reduced in one
+place). A metric whose name ends in `_max` is a largest value instead: (max, 1) pairs, reduced by max.
 """
 
 from __future__ import annotations

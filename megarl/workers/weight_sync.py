@@ -13,7 +13,10 @@ bucket and engine, the road (megarl/rollout/transports.py):
 - in_process (the hybrid engine: workers/hybrid_worker.py): the engine lives in the sending worker, which hands it
   each bucket directly (the engine copies the tensors into its model);
 - disk (engines across nodes, any number of sending ranks): each sending rank writes its buckets as safetensors
-  files into the sync's folder on the run's shared file system; the controller then has every engine read it.
+  files into the sync's folder on the run's shared file system; the controller then has every engine read it;
+- ipc_relay (colocated SGLang engines across nodes: megarl/workers/ipc_relay.py): every bucket is broadcast from its
+  owner to every actor rank in one global order, and each engine gets one CUDA IPC handle per TP rank, gathered over
+  the gloo group of the ranks on its GPUs and posted by the first of them.
 Gathering the next bucket overlaps the engines applying the current one, and on the host roads (object store, disk)
 also the sending itself: a sender thread copies bucket k into the object store or writes its file while this
 thread exports bucket k + 1. At most two buckets are in flight, which bounds the memory beyond the model. The norm
@@ -27,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,7 +39,9 @@ from megarl.bridge.fp8 import BlockFP8, quantize_bucket
 from megarl.checkpoint.model_io import LoadedModel
 from megarl.rollout.engine import VERIFY_PATTERN, Bucket
 from megarl.workers.bucket_transport import device_uuid, pack_bucket, pack_bucket_ipc
+from megarl.workers.ipc_relay import relay_weights
 from megarl.workers.sync_route import SyncRoute
+from megarl.workers.weight_delta import DeltaEncoder, delta_to_bucket
 
 MAX_BUCKETS_IN_FLIGHT = 2
 HOST_ROADS = frozenset({"object_store", "disk"})
@@ -56,6 +61,10 @@ class SenderState:
     """The in_process road: the engine in this worker (workers/hybrid_worker.py), given each bucket directly."""
     files_written: int = 0
     """Bucket files this rank wrote for the disk transport (their names count up within a sync folder)."""
+    delta: DeltaEncoder = field(default_factory=DeltaEncoder)
+    """The delta road: what this rank last sent (megarl/workers/weight_delta.py)."""
+    relay: object | None = None
+    """The ipc_relay road: this rank's engine group (ipc_relay.RelayGroups), created at the first sync."""
 
 
 def send_weights(
@@ -65,8 +74,15 @@ def send_weights(
     "buckets", "seconds", "ipc_engines", "in_process_engines", "samples"} of what this rank sent ("samples": the
     norm weights, on CPU, when `keep_samples`: the controller verifies this sync)."""
     start = time.perf_counter()
+    if route.transport == "ipc_relay":
+        fp8 = BlockFP8.from_config(route.quantization, "rollout.weights_format") if route.quantization else None
+        with torch.no_grad():
+            sent = relay_weights(_exported(model, bucket_bytes, fp8), route, state, keep_samples)
+        return sent | {"seconds": time.perf_counter() - start}
     in_flight: deque[InFlight] = deque()
-    sent_bytes = sent_tensors = num_buckets = 0
+    sent_bytes = sent_tensors = num_buckets = full_bytes = 0
+    if route.delta == "full":
+        state.delta.reset()
     roads = _roads(route)
     samples: Bucket = []
     verify = re.compile(VERIFY_PATTERN)
@@ -77,27 +93,32 @@ def send_weights(
             for bucket in export_hf_weights(model.bridge, model.hf_dtypes, bucket_bytes):
                 if fp8 is not None:
                     bucket = quantize_bucket(bucket, fp8)
+                full_bytes += sum(t.nbytes for _, t in bucket)
+                sent_tensors += len(bucket)
+                if keep_samples:
+                    samples += [(name, t.detach().cpu().clone()) for name, t in bucket if verify.search(name)]
+                if route.delta != "off":
+                    bucket = delta_to_bucket(state.delta.encode(bucket))
                 while len(in_flight) >= MAX_BUCKETS_IN_FLIGHT:
                     _wait(in_flight.popleft())
                 if sender is not None:
                     in_flight.append(sender.submit(_send_bucket, bucket, route, roads, state))
                 else:
                     in_flight.append(_send_bucket(bucket, route, roads, state))
-                if keep_samples:
-                    samples += [(name, t.detach().cpu().clone()) for name, t in bucket if verify.search(name)]
                 sent_bytes += sum(t.nbytes for _, t in bucket)
-                sent_tensors += len(bucket)
                 num_buckets += 1
         while in_flight:
             _wait(in_flight.popleft())
     except BaseException:
         close_sender(state)  # a half-used NCCL group is not reused
+        state.delta.reset()  # the engines may not hold what the snapshot says
         raise
     finally:
         if sender is not None:  # nothing left running after a failure: later buckets are dropped
             sender.shutdown(wait=True, cancel_futures=True)
     return {
         "bytes": float(sent_bytes),
+        "full_bytes": float(full_bytes),
         "tensors": float(sent_tensors),
         "buckets": float(num_buckets),
         "seconds": time.perf_counter() - start,
@@ -105,6 +126,11 @@ def send_weights(
         "in_process_engines": float(sum(road == "in_process" for road in roads)),
         "samples": samples,
     }
+
+
+def _exported(model: LoadedModel, bucket_bytes: int, fp8: BlockFP8 | None):
+    for bucket in export_hf_weights(model.bridge, model.hf_dtypes, bucket_bytes):
+        yield quantize_bucket(bucket, fp8) if fp8 is not None else bucket
 
 
 def close_sender(state: SenderState) -> None:

@@ -133,7 +133,7 @@ def timed_process(*argv: str) -> tuple[float, float, str]:
 
 def startup_cost() -> tuple[float, float]:
     """(seconds, RSS GB) of a process that only imports what `megarl convert` imports: the fixed part of each run."""
-    code = "import megarl.cli, converters.hf_to_mcore, converters.mcore_to_hf"
+    code = "import megarl.cli, megarl.conversion.hf_to_mcore, megarl.conversion.mcore_to_hf"
     seconds, rss, _ = timed_process(sys.executable, "-c", code)
     return seconds, rss
 

@@ -1,5 +1,5 @@
 """Balanced data parallelism: one update step at DP=2 with the plain contiguous split and with megarl's balanced
-order (megarl/trainer/dp_balance.py), on a batch whose long rows come first (what prompt groups of long answers
+order (megarl/trainer/loops/dp_balance.py), on a batch whose long rows come first (what prompt groups of long answers
 give the plain split).
 
     python tools/bench/dp_balance.py [--rows 32] [--seq 512] [--reps 3] [--packing on] [--json results.json]
@@ -54,7 +54,7 @@ def main() -> None:
     from train_step import row_lengths
 
     from megarl.runtime.rank_pool import RankPool
-    from megarl.trainer.dp_balance import dp_order, imbalance, row_cost
+    from megarl.trainer.loops.dp_balance import dp_order, imbalance, row_cost
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=32)

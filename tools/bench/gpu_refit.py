@@ -1,7 +1,7 @@
 """GPU benchmark: weight sync (refit) from a Megatron actor into the colocated hf engine on the same GPU, as the
 trainer does it (Ray workers, placement colocated), next to the device's own copy bandwidth.
 
-    python tools/bench/gpu_refit.py [--reps 5] [--bucket-mb 512] [--json out.json]
+    python tools/bench/gpu_refit.py [--reps 5] [--bucket-mb 512] [--jsonl out.jsonl]
 
 The model is the ~0.5B Qwen2-class one of gpu_train_step.py (bf16). Transports: CUDA IPC (the engine maps the
 actor's flattened bucket and copies device to device) and, for comparison, the Ray object store (host copies).
@@ -11,13 +11,13 @@ Where `sglang` is installed, the same checkpoint's tensors (on this process's GP
 SGLang server by SGLang's two roads as megarl drives them: `update_weights_from_tensor` with SGLang's
 flattened-bucket IPC payload (the colocated `ipc` transport) and a flattened broadcast through
 `update_weights_from_distributed` (the split `nccl` transport; over gloo here, as one GPU cannot hold two NCCL ranks).
+Each measurement is appended to --jsonl as one JSON line the moment it is taken.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import tempfile
 import time
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     import ray
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from gpu_train_step import build_checkpoint
+    from gpu_train_step import build_checkpoint, record
 
     from megarl.cluster.config import ClusterConfig
     from megarl.cluster.ray_runtime import start_ray, stop_ray
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--bucket-mb", type=int, default=512)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--jsonl", default=None, help="append each measurement to this file as it is taken")
     args = parser.parse_args(argv)
     result: dict = {"device": torch.cuda.get_device_name()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,14 +134,19 @@ def main(argv: list[str] | None = None) -> dict:
                     num_bytes = sent["bytes"]
                 median = statistics.median(seconds)
                 result[transport] = {"seconds": median, "gb_per_s": num_bytes / median / 1e9, "bytes": num_bytes}
+                record(args.jsonl, "refit", transport, result[transport])
             copy = actor.workers[0].__ray_call__.remote(device_copy_gbps, int(result["cuda_ipc"]["bytes"]), 5)
             result["device_copy_gb_per_s"] = ray.get(copy)
+            result["ipc_fraction_of_copy"] = result["cuda_ipc"]["gb_per_s"] / result["device_copy_gb_per_s"]
+            record(args.jsonl, "refit", "device_copy", {"gb_per_s": result["device_copy_gb_per_s"],
+                   "ipc_fraction_of_copy": result["ipc_fraction_of_copy"], "target": 0.4})  # fmt: skip
         finally:
             pool.remove()
             stop_ray()
         if importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("sgl_kernel") is not None:
             result |= sglang_roads(folder, args.reps, args.bucket_mb << 20)
-    result["ipc_fraction_of_copy"] = result["cuda_ipc"]["gb_per_s"] / result["device_copy_gb_per_s"]
+            for road in ("sglang_ipc", "sglang_broadcast_gloo"):
+                record(args.jsonl, "refit", road, {**result[road], "verified": result["sglang_verified"]})
     print(
         f"refit {result['cuda_ipc']['bytes'] / 1e9:.2f} GB: CUDA IPC {result['cuda_ipc']['seconds']:.3f} s "
         f"({result['cuda_ipc']['gb_per_s']:.1f} GB/s, {result['ipc_fraction_of_copy']:.0%} of the device copy "
@@ -151,8 +156,6 @@ def main(argv: list[str] | None = None) -> dict:
     for road in ("sglang_ipc", "sglang_broadcast_gloo"):
         if road in result:
             print(f"SGLang {road}: {result[road]['seconds']:.3f} s ({result[road]['gb_per_s']:.1f} GB/s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 

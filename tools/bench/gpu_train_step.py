@@ -1,11 +1,13 @@
 """GPU benchmark: one actor update step of megarl's Megatron role model next to plain transformers + torch AdamW, on
 the same ~0.5B Qwen2-class model (built from a config, bf16), the same batch and the same policy loss, on one GPU.
 
-    python tools/bench/gpu_train_step.py [--rows 8] [--seq 1024] [--reps 5] [--json out.json]
+    python tools/bench/gpu_train_step.py [--rows 8] [--seq 1024] [--reps 5] [--jsonl out.jsonl]
 
 Reports tokens/s and MFU (6 x parameters x tokens / time / the device's dense bf16 peak) of each, and their ratio
 (target: megarl >= 1.3x plain). The peak comes from the device name (H100 / H200: 989 TFLOP/s, A100: 312), or
-MEGARL_PEAK_TFLOPS. Run by tools/gpu/run.sh; results go to tools/bench/README.md with device, date and command.
+MEGARL_PEAK_TFLOPS. Each measurement is appended to --jsonl as one JSON line the moment it is taken (megarl's step
+first), so a run stopped by its time limit keeps what it measured. Run by tools/gpu/run.sh; results go to
+tools/bench/README.md with device, date and command.
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ QWEN2_HALF_B = dict(
     tie_word_embeddings=True,
 )
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0}
+
+
+def record(path: str | None, bench: str, measurement: str, values: dict) -> None:
+    """Append one measurement to `path` (JSON lines) now: a benchmark stopped by its limit keeps what it measured."""
+    line = json.dumps({"bench": bench, "measurement": measurement, "device": torch.cuda.get_device_name(), **values})
+    print(f"{bench}/{measurement}: {line}", flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
 
 
 def peak_flops() -> float:
@@ -131,31 +142,28 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--jsonl", default=None, help="append each measurement to this file as it is taken")
     args = parser.parse_args(argv)
+    peak = peak_flops()
+    result: dict = {"device": torch.cuda.get_device_name(), "peak_flops": peak}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "qwen2-0.5b"
         num_params = build_checkpoint(folder)
         batch = synthetic_batch(args.rows, args.seq, QWEN2_HALF_B["vocab_size"])
         tokens = args.rows * args.seq
-        plain = plain_step_seconds(folder, batch, args)
-        mine = megarl_step_seconds(folder, batch, args)
-    peak = peak_flops()
-    result = {"device": torch.cuda.get_device_name(), "params": num_params, "tokens": tokens, "peak_flops": peak}
-    for name, seconds in (("megarl", mine), ("plain", plain)):
-        result[name] = {
-            "seconds": seconds,
-            "tokens_per_s": tokens / seconds,
-            "mfu": 6 * num_params * tokens / seconds / peak,
-        }
-    result["speedup"] = plain / mine
+        result |= {"params": num_params, "tokens": tokens}
+        for name, measure in (("megarl", megarl_step_seconds), ("plain", plain_step_seconds)):
+            seconds = measure(folder, batch, args)
+            result[name] = {"seconds": seconds, "tokens_per_s": tokens / seconds,
+                            "mfu": 6 * num_params * tokens / seconds / peak}  # fmt: skip
+            record(args.jsonl, "train_step", name, {"params": num_params, "tokens": tokens, **result[name]})
+    result["speedup"] = result["plain"]["seconds"] / result["megarl"]["seconds"]
+    record(args.jsonl, "train_step", "speedup", {"megarl_over_plain": result["speedup"], "target": 1.3})
     print(
-        f"update step, {num_params / 1e9:.2f} B params, {tokens} tokens: megarl {mine:.3f} s "
-        f"(MFU {result['megarl']['mfu']:.1%}), plain {plain:.3f} s (MFU {result['plain']['mfu']:.1%}): "
-        f"{result['speedup']:.2f}x (target 1.3x)"
+        f"update step, {num_params / 1e9:.2f} B params, {tokens} tokens: megarl {result['megarl']['seconds']:.3f} s "
+        f"(MFU {result['megarl']['mfu']:.1%}), plain {result['plain']['seconds']:.3f} s "
+        f"(MFU {result['plain']['mfu']:.1%}): {result['speedup']:.2f}x (target 1.3x)"
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 

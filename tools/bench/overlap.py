@@ -99,7 +99,7 @@ def run(job: Path, reuse: bool = False) -> tuple[list[dict], list[float]]:
     """The run's per-step metrics, and the 1-minute load average sampled every 5 s while it ran (`reuse`: read the
     metrics of an earlier run in the same folder instead, if there is one)."""
     sys.path.insert(0, str(REPO))
-    from megarl.trainer.metrics import read_metrics
+    from megarl.trainer.observability.metrics import read_metrics
 
     def steps() -> list[dict]:
         return [m for m in read_metrics(job.parent / "run") if "timing/step_s" in m and "reward/mean" in m]

@@ -5,8 +5,8 @@ engine, on CPU, at several bucket sizes, next to the memcpy bandwidth of the sam
 
 --json writes every number, headed by `fraction_of_memcpy` (the fastest trainer sync's bandwidth over memcpy's).
 
-The path is the trainer's own: Ray worker groups built as megarl/trainer/roles.py builds them in colocated mode (an
-actor `MegatronWorker` group of 2 ranks at TP=2, trainable, and one `RolloutWorker` with the hf engine, sharing
+The path is the trainer's own: Ray worker groups built as megarl/trainer/lifecycle/roles.py builds them in colocated
+mode (an actor `MegatronWorker` group of 2 ranks at TP=2, trainable, and one `RolloutWorker` with the hf engine, sharing
 two logical GPUs), and a sync is `begin_weight_update` / `sync_weights` / `finish_weight_update`, exactly as the
 trainer calls them (megarl/workers/weight_sync.py: export with the TP shards gathered on the sending rank, each
 tensor sent as a NumPy view of its bytes (megarl/workers/bucket_transport.py), `ray.put` and

@@ -65,8 +65,8 @@ def rollout_batch(folder: Path, num_prompts: int, num_samples: int, num_tokens: 
     from megarl.rollout.config import HFEngineConfig, SamplingParams
     from megarl.rollout.engine import GenerateRequest
     from megarl.rollout.hf_engine import HFEngine
-    from megarl.trainer.rollout_step import collate_rollout
-    from megarl.trainer.routing import RoutingPlan
+    from megarl.trainer.rollout_side.rollout_step import collate_rollout
+    from megarl.trainer.rollout_side.routing import RoutingPlan
 
     engine = HFEngine(folder, HFEngineConfig(dtype="bfloat16"), record_routing=True)
     g = torch.Generator().manual_seed(0)

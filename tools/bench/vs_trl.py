@@ -34,8 +34,8 @@ PROMPTS = ROOT / "examples" / "quickstart" / "rl.jsonl"
 
 
 def build_checkpoint(out: Path, hidden: int, layers: int) -> Path:
-    from megarl.config.job import ModelInit
-    from megarl.trainer.model_init import build_model_folder
+    from megarl.job import ModelInit
+    from megarl.trainer.lifecycle.model_init import build_model_folder
 
     heads = max(hidden // 32, 2)
     config = dict(

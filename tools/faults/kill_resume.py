@@ -145,7 +145,7 @@ def check_checkpoints(run_dir: Path) -> list[str]:
     """Problems with the checkpoints of a run folder: every visible step folder complete and loadable, `latest`
     naming a complete one."""
     from megarl.checkpoint.model_dir import ModelCheckpointInfo
-    from megarl.trainer.run_checkpoint import RunCheckpoints, TrainerState
+    from megarl.trainer.lifecycle.run_checkpoint import RunCheckpoints, TrainerState
 
     root = run_dir / "checkpoints"
     problems = []
@@ -169,7 +169,7 @@ def check_checkpoints(run_dir: Path) -> list[str]:
 
 def read_steps(run_dir: Path) -> dict[int, dict]:
     """Every step's metrics (SFT and RL), by step."""
-    from megarl.trainer.metrics import read_metrics
+    from megarl.trainer.observability.metrics import read_metrics
 
     return {int(m["step"]): m for m in read_metrics(run_dir) if "step" in m}
 
@@ -230,7 +230,7 @@ def run_scenario(
 
 def _is_async(args) -> bool:
     from megarl.config import load_config
-    from megarl.config.job import JobConfig
+    from megarl.job import JobConfig
 
     return load_config(JobConfig, args.config, args.overrides).rl.mode == "async"
 

@@ -1,0 +1,1 @@
+"""Checkpoint conversion between Hugging Face folders and Megatron distributed checkpoints (`megarl convert`)."""

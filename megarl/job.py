@@ -1,0 +1,297 @@
+"""The job config: one YAML file (configs/*.yaml) is this tree of the components' own config dataclasses.
+
+Each section belongs to the package that uses it (docs/architecture.md, habit 2); this module only nests them and checks
+what spans sections. Checks that need the model's config.json or the cluster (parallel sizes against heads and experts,
+GPUs against the cluster) run in the trainer's pre-flight, still before Ray starts
+(megarl/trainer/lifecycle/preflight.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from megarl.agents.config import AgentConfig
+from megarl.algorithms.config import AlgorithmConfig
+from megarl.cluster.config import ClusterConfig
+from megarl.config.paths import path_field
+from megarl.data.config import PromptDataConfig
+from megarl.errors import UserError
+from megarl.rewards.config import RewardConfig
+from megarl.rollout.config import RolloutConfig
+from megarl.trainer.config import STAGES, CheckpointConfig, RLConfig, RMConfig, SFTConfig
+from megarl.trainer.observability.logging_config import LoggingConfig
+from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    """Name of the run (folder name, logger run name)."""
+    dir: str = path_field("file", "runs/${run.name}")
+    """Run folder: resolved config, metrics.jsonl, TensorBoard, plots, checkpoints."""
+    seed: int = 1
+    """Seeds rollout sampling and the workers' random streams (value heads, dropout); a resumed run derives them
+    from it. Data order has its own seed (data.seed, sft.data.seed, rm.data.seed), a built model `model.init.seed`."""
+    stages: list[str] = field(default_factory=lambda: ["grpo"])
+    """What to run, in order: sft (supervised, e.g. a cold start), grpo / ppo (the RL loop; ppo trains a critic),
+    rm (reward-model training). Later stages continue from the actor of earlier ones."""
+    resume: Literal["auto", "never"] = "auto"
+    """auto: continue from run.dir/checkpoints/latest when it exists; never: refuse a run folder that has one."""
+    max_restarts: int = 1
+    """When a worker process dies or a worker call fails mid-run, restart every role from the last checkpoint up
+    to this many times before giving up (0 = stop at the first failure)."""
+
+    def check(self, key: str) -> None:
+        if self.max_restarts < 0:
+            raise UserError(f"{key}.max_restarts={self.max_restarts} must be >= 0")
+        unknown = [s for s in self.stages if s not in STAGES]
+        if unknown or not self.stages:
+            raise UserError(f"{key}.stages={self.stages} must list stages from: {', '.join(STAGES)}")
+
+
+@dataclass
+class ModelInit:
+    """Build a fresh model instead of loading weights (the CPU quickstart: there is no model hub here)."""
+
+    config: str = path_field("file", "")
+    """A HF config.json (e.g. configs/models/quickstart.json) to build a randomly initialized model from."""
+    tokenizer: Literal["char"] = "char"
+    """The tokenizer to build: char = one token per printable ASCII character (megarl.data.char_tokenizer)."""
+    seed: int = 0
+    """Initialization seed."""
+
+
+@dataclass
+class ModelSource:
+    path: str = path_field("model", "")
+    """The starting weights of every role: a HF model folder or a megarl checkpoint folder."""
+    init: ModelInit | None = None
+    """If set and `path` does not exist yet, build a tiny model there first (HF folder with tokenizer)."""
+
+    def check(self, key: str) -> None:
+        if not self.path:
+            raise UserError(f"{key}.path is empty: give a HF model folder or a megarl checkpoint folder")
+
+
+@dataclass
+class RoleConfig:
+    """A Megatron role (actor, critic, ref, reward model): its model and micro-batching. The frozen roles (ref, and
+    the reward model during RL) have no optimizer: `optim` there is refused, naming what trains them instead."""
+
+    REFUSED_KEYS: ClassVar[dict[str, str]] = {
+        "optim": "has no effect for a frozen role: it is never trained, so it has no optimizer; remove it"
+    }
+
+    model: ModelSettings = field(default_factory=lambda: ModelSettings(path="${model.path}"))
+    micro_batch: MicroBatchSettings = field(default_factory=MicroBatchSettings)
+
+
+@dataclass
+class TrainedRoleConfig(RoleConfig):
+    """A role the RL stages train (actor, critic): also its optimizer."""
+
+    optim: OptimizerSettings = field(default_factory=OptimizerSettings)
+
+
+@dataclass
+class RewardModelConfig(RoleConfig):
+    REFUSED_KEYS: ClassVar[dict[str, str]] = {
+        "optim": "has no effect for a frozen role: the reward model only scores samples during RL; the rm stage "
+        "trains it with rm.optim"
+    }
+
+    enabled: bool = False
+    """Score samples with a reward model (added to the rule reward scaled by `coef`)."""
+    coef: float = 1.0
+    """Weight of the reward model's score in the reward."""
+
+
+@dataclass
+class OffloadConfig:
+    """What colocated training roles move to pinned host memory while the rollout engines hold the GPUs."""
+
+    params: bool = True
+    """Model weights (GPU only: on a CPU machine they already live in host memory)."""
+    grads: bool = True
+    """Gradient buffers (freed; they are zeroed at the next update anyway)."""
+    optimizer: bool = True
+    """Optimizer states and fp32 main weights."""
+
+
+@dataclass
+class PlacementConfig:
+    """Where the roles run. Each training role (actor, critic, ref, reward model) is one group of `train_gpus`
+    workers; rollout engines take `rollout.gpus_per_engine` GPUs each."""
+
+    mode: Literal["colocated", "split"] = "colocated"
+    """colocated: every role shares the training GPUs and they take turns (memory handed over by offloading);
+    split: the rollout engines have GPUs of their own (needed for asynchronous RL)."""
+    train_gpus: int = 1
+    """GPUs (workers) of each training role's group."""
+    rollout_gpus: int = 0
+    """split: GPUs of the rollout engines (a multiple of rollout.gpus_per_engine)."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """colocated: what the training roles hand over while the engines generate (trainer/lifecycle/handover.py)."""
+    handover: Literal["auto", "always"] = "auto"
+    """colocated: when the roles and engines hand memory over around each generation. auto: when the workers
+    compute on GPUs (on a CPU machine everything lives in host memory, and each handover call is a Ray round trip
+    for nothing); always: on a CPU machine too (frees the gradient buffers while the engines generate, and runs the
+    GPU path's calls where a test can see them)."""
+
+    def check(self, key: str) -> None:
+        if self.train_gpus < 1:
+            raise UserError(f"{key}.train_gpus={self.train_gpus} must be >= 1")
+        if self.mode == "split" and self.rollout_gpus < 1:
+            raise UserError(f"{key}.mode=split needs {key}.rollout_gpus >= 1")
+        if self.mode == "colocated" and self.rollout_gpus:
+            raise UserError(f"{key}.rollout_gpus={self.rollout_gpus} has no effect with {key}.mode=colocated; use 0")
+
+
+@dataclass
+class PlanConfig:
+    """Hardware figures `megarl plan` and the pre-flight memory check use."""
+
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU, in GB."""
+    intra_node_gbps: float = 900.0
+    """GPU-to-GPU bandwidth inside a node, GB/s (NVLink; H100 SXM: ~900)."""
+    inter_node_gbps: float = 50.0
+    """Per-GPU bandwidth between nodes, GB/s (e.g. 400 Gb/s InfiniBand = 50 GB/s)."""
+    shared_fs_gbps: float = 20.0
+    """Aggregate bandwidth of the file system every node shares (the run directory), GB/s: the disk weight
+    transport's speed (engines across nodes)."""
+    host_memory_gb: float | None = None
+    """Host memory of one node, GB; given, the plan refuses a job whose host memory per node exceeds 90% of it."""
+    model_config: str | None = path_field("file", None)
+    """A config.json to plan with when model.path is not on this machine (e.g. planning on a laptop)."""
+    check_memory: bool = True
+    """`megarl train` refuses to start when the plan says a role does not fit."""
+
+
+@dataclass
+class JobConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    model: ModelSource = field(default_factory=ModelSource)
+    actor: TrainedRoleConfig = field(default_factory=TrainedRoleConfig)
+    critic: TrainedRoleConfig = field(default_factory=TrainedRoleConfig)
+    """Used by stages whose advantage estimator needs values (ppo / gae)."""
+    ref: RoleConfig = field(default_factory=RoleConfig)
+    """Used when a KL to the reference policy is on (algorithm.kl.coef or policy_loss.kl_loss_coef)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn rollouts with an environment and tools (megarl/agents/); off unless agent.env is set."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: PromptDataConfig = field(default_factory=PromptDataConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+    @property
+    def rl_stages(self) -> list[str]:
+        return [s for s in self.run.stages if s in ("grpo", "ppo")]
+
+    @property
+    def needs_critic(self) -> bool:
+        return bool(self.rl_stages) and self.algorithm.needs_critic()
+
+    @property
+    def needs_ref(self) -> bool:
+        return bool(self.rl_stages) and self.algorithm.needs_ref()
+
+    def hybrid_engine(self) -> bool:
+        """Whether the hf engine runs inside the actor's worker (rollout.hf.hybrid); `on` where it cannot is a
+        UserError naming what rules it out."""
+        choice, rollout, placement = self.rollout.hf.hybrid, self.rollout, self.placement
+        if choice == "off" or not self.rl_stages:
+            return False
+        blockers = [
+            f"{key}={value!r} (needs {wanted!r})"
+            for key, value, wanted in (
+                ("rollout.backend", rollout.backend, "hf"),
+                ("placement.mode", placement.mode, "colocated"),
+                ("placement.train_gpus", placement.train_gpus, 1),
+                ("rollout.gpus_per_engine", rollout.gpus_per_engine, 1),
+                ("rollout.weight_sync", rollout.weight_sync, "auto"),
+            )
+            if value != wanted
+        ]
+        if blockers and choice == "on":
+            raise UserError(
+                "rollout.hf.hybrid=on runs the engine inside the one actor worker, which this job rules out: "
+                f"{'; '.join(blockers)}; use rollout.hf.hybrid=auto or off"
+            )
+        # auto: on this machine's CPUs only (a local Ray instance, no CUDA): the hybrid has not run on a GPU yet
+        return not blockers and (choice == "on" or (self.cluster.is_local and not _cuda_here()))
+
+    def weight_sync_transport(self) -> str:
+        """rollout.weight_sync resolved for this job's placement and actor layout (megarl/rollout/transports.py);
+        `in_process` for a hybrid engine (the actor's worker copies the weights into its own engine)."""
+        from megarl.rollout.transports import resolve_weight_sync
+
+        if self.hybrid_engine():
+            return "in_process"
+        parallel = self.actor.model.parallel
+        per_node, per_engine = self.cluster.gpus_per_node, self.rollout.gpus_per_engine
+        engine_nodes = per_engine // per_node if per_node and per_engine > per_node else 1
+        return resolve_weight_sync(
+            self.rollout.weight_sync,
+            self.rollout.backend,
+            self.placement.mode,
+            parallel.pp,
+            parallel.ep,
+            engine_nodes=engine_nodes,
+        )
+
+    def check(self, key: str) -> None:
+        if "ppo" in self.run.stages and not self.algorithm.needs_critic():
+            raise UserError(
+                f"run.stages has ppo but algorithm.advantage.estimator={self.algorithm.advantage.estimator!r} uses no "
+                "critic; use algorithm.advantage.estimator=gae for PPO, or the grpo stage"
+            )
+        if "grpo" in self.run.stages and self.algorithm.needs_critic():
+            raise UserError(
+                "run.stages has grpo but algorithm.advantage.estimator=gae needs a critic; use the ppo stage"
+            )
+        if self.rl_stages and not self.data.train_files:
+            raise UserError("data.train_files is empty: the RL stages need prompt files")
+        if "sft" in self.run.stages and not self.sft.data.train_files:
+            raise UserError("sft.data.train_files is empty: the sft stage needs demonstration files")
+        if "rm" in self.run.stages and not self.rm.data.train_files:
+            raise UserError("rm.data.train_files is empty: the rm stage needs preference-pair files")
+        if self.rl.mode == "async" and self.placement.mode != "split":
+            raise UserError(
+                "rl.mode=async (asynchronous RL) needs placement.mode=split: rollout and training run at the same "
+                "time on different GPUs"
+            )
+        if self.rl.mode == "async" and self.algorithm.needs_reward_baselines():
+            raise UserError(
+                f"algorithm.advantage.estimator={self.algorithm.advantage.estimator!r} needs a greedy baseline "
+                "response per prompt, which only rl.mode=sync generates; use rl.mode=sync or another estimator"
+            )
+        if self.algorithm.routing_replay == "rollout" and self.rollout.routed_experts == "off":
+            raise UserError(
+                "algorithm.routing_replay=rollout replays the experts the rollout engine chose, but "
+                "rollout.routed_experts=off does not record them; use rollout.routed_experts=auto, or "
+                "algorithm.routing_replay=old_logprob"
+            )
+        if self.rl_stages:
+            self.weight_sync_transport()  # a choice the placement or layout rules out is refused here
+        if self.placement.mode == "split" and self.placement.rollout_gpus % self.rollout.gpus_per_engine:
+            raise UserError(
+                f"placement.rollout_gpus={self.placement.rollout_gpus} is not a multiple of "
+                f"rollout.gpus_per_engine={self.rollout.gpus_per_engine}"
+            )
+
+
+def _cuda_here() -> bool:
+    import torch  # here only: the config package itself stays light
+
+    return torch.cuda.is_available()
