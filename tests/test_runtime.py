@@ -210,6 +210,32 @@ def test_rank_pool_recovers_from_a_hang(ranks2):
     assert ranks2.run(rank_and_sum) == [(0, 2, 3.0), (1, 2, 3.0)]  # restarted
 
 
+_kept_groups: list = []
+
+
+def leak_groups_and_report_pid():
+    """Groups kept alive past the call (as a module or cache holding one would): their gloo threads stay."""
+    import os
+
+    import torch.distributed as dist
+
+    _kept_groups.extend(dist.new_group([0, 1], backend="gloo") for _ in range(4))
+    return os.getpid()
+
+
+def test_rank_pool_restarts_ranks_that_pile_up_threads(ranks2, monkeypatch):
+    from megarl.runtime import rank_pool
+
+    first = ranks2.run(leak_groups_and_report_pid)
+    assert ranks2.run(leak_groups_and_report_pid) == first  # few threads: the same processes serve every call
+    monkeypatch.setattr(rank_pool, "MAX_RANK_THREADS", 0)
+    assert ranks2.run(leak_groups_and_report_pid) == first  # this call's threads close the pool after it
+    monkeypatch.setattr(rank_pool, "MAX_RANK_THREADS", 10_000)
+    fresh = ranks2.run(leak_groups_and_report_pid)
+    assert set(fresh).isdisjoint(first)  # fresh processes, without the piled-up threads
+    assert ranks2.run(rank_and_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
 # ---- atomic output folders ------------------------------------------------------------------------------------
 
 

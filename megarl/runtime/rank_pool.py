@@ -20,6 +20,9 @@ from typing import Any
 
 from megarl.runtime.distributed import find_free_port
 
+MAX_RANK_THREADS = 128
+"""A rank holding more threads than this after a call is restarted before the next one (see _num_threads)."""
+
 
 class RankFailure(RuntimeError):
     """A function failed on at least one rank; the message holds each failing rank's traceback."""
@@ -45,14 +48,23 @@ def _rank_main(rank: int, world_size: int, port: int, tasks: mp.Queue, results: 
         task_id, fn, args, kwargs = task
         groups_before = process_groups()
         try:
-            results.put((task_id, rank, True, fn(*args, **kwargs)))
+            outcome = (True, fn(*args, **kwargs))
         except BaseException:  # report everything, including SystemExit from a bad function
-            results.put((task_id, rank, False, traceback.format_exc()))
-        finally:
-            destroy_model_parallel()
-            # groups a function made itself (dist.new_group outside Megatron): each holds gloo threads that would
-            # pile up over a test suite's thousands of calls
-            destroy_groups_since(groups_before)
+            outcome = (False, traceback.format_exc())
+        destroy_model_parallel()
+        # groups a function made itself (dist.new_group outside Megatron): each holds gloo threads
+        destroy_groups_since(groups_before)
+        results.put((task_id, rank, *outcome, _num_threads()))
+
+
+def _num_threads() -> int:
+    """This process's threads: gloo keeps a group's threads until its last reference dies, and Megatron's
+    modules and caches keep some alive after their groups are destroyed, so a long-lived rank piles them up (each
+    wakes on its own; hundreds of them cost a core in system time)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # no procfs: never recycle
+        return 0
 
 
 class RankPool:
@@ -67,6 +79,7 @@ class RankPool:
         self._task_queues: list = []
         self._results = None
         self._next_task = 0
+        self._recycle = False
 
     def _start(self) -> None:
         port = find_free_port()
@@ -93,6 +106,8 @@ class RankPool:
         for task_queue in self._task_queues:
             task_queue.put((task_id, fn, args, kwargs))
         results, failures = self._collect(task_id, timeout_s or self.timeout_s)
+        if self._recycle and self._procs:
+            self.close()  # a fresh world on the next call, without the piled-up gloo threads (costs an import)
         if failures:
             detail = "\n".join(f"--- rank {rank} ---\n{text}" for rank, text in sorted(failures.items()))
             raise RankFailure(f"{getattr(fn, '__name__', fn)} failed on ranks {sorted(failures)}:\n{detail}")
@@ -107,7 +122,7 @@ class RankPool:
                 # Once a rank failed, the others may wait forever in a collective: give them a short grace.
                 deadline = min(deadline, time.monotonic() + 10.0)
             try:
-                tid, rank, ok, value = self._results.get(timeout=0.5)
+                tid, rank, ok, value, threads = self._results.get(timeout=0.5)
             except queue.Empty:
                 dead = [rank for rank, proc in enumerate(self._procs) if not proc.is_alive()]
                 if dead or time.monotonic() > deadline:
@@ -123,6 +138,7 @@ class RankPool:
                 continue
             if tid != task_id:
                 continue  # a late answer from an earlier, failed call
+            self._recycle = self._recycle or threads > MAX_RANK_THREADS
             if ok:
                 results[rank] = value
             else:
@@ -140,6 +156,7 @@ class RankPool:
                 proc.join(timeout=5)
         self._procs = []
         self._task_queues = []
+        self._recycle = False
 
     def __enter__(self) -> RankPool:
         return self
