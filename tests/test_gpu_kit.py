@@ -361,4 +361,5 @@ def test_a_step_stopped_by_its_limit_keeps_its_partial_results(fresh_env, tmp_pa
     name, code, seconds, limit, _ = (tmp_path / "out/status.tsv").read_text().splitlines()[-1].split("\t")
     assert (name, code, limit) == ("cut", "124", "20") and 17 <= int(seconds) <= 25  # SIGINT at 17.5 s, SIGKILL at 20
     results = kit.summarize(tmp_path / "out")
-    assert [(s["name"], s["verdict"]) for s in results["steps"]] == [("each", "FAILED"), ("cut", "TIMED OUT")]
+    verdicts = [(s["name"], s["verdict"]) for s in results["steps"] if s["name"] != "install"]  # ok, or not run
+    assert verdicts == [("each", "FAILED"), ("cut", "TIMED OUT")]
