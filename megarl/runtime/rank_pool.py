@@ -20,8 +20,9 @@ from typing import Any
 
 from megarl.runtime.distributed import find_free_port
 
-MAX_RANK_THREADS = 128
-"""A rank holding more threads than this after a call is restarted before the next one (see _num_threads)."""
+MAX_RANK_THREADS = 400
+"""A rank holding more threads than this after a call is restarted before the next one (see _num_threads). A
+Megatron layout leaves about 25 threads behind per call: a restart (seconds of imports) every dozen calls."""
 
 
 class RankFailure(RuntimeError):
