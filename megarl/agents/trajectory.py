@@ -135,9 +135,11 @@ class ObservationRenderer:
         cut_head = max((head.rfind(t) + len(t) for t in self._special if t in head), default=0)
         cut_tail = min((tail.find(t) for t in self._special if t in tail), default=len(tail))
         encode = self.tokenizer.encode
+        # a tokenizer without special tokens (megarl's character tokenizer) has nothing to split, nor the argument
+        as_text = {"split_special_tokens": True} if self._special else {}
         return [
             *encode(head[:cut_head], add_special_tokens=False),
-            *encode(head[cut_head:] + content + tail[:cut_tail], add_special_tokens=False, split_special_tokens=True),
+            *encode(head[cut_head:] + content + tail[:cut_tail], add_special_tokens=False, **as_text),
             *encode(tail[cut_tail:], add_special_tokens=False),
         ]
 
