@@ -8,6 +8,7 @@ GPUs against the cluster) run in the trainer's pre-flight, still before Ray star
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -108,6 +109,38 @@ class RewardModelConfig(RoleConfig):
 
 
 @dataclass
+class TeacherTraining:
+    """A teacher the run trains itself, first, when teacher.model.path is empty (the distillation quickstart)."""
+
+    config: str = path_field("file", "")
+    """A job config that trains the teacher (e.g. quickstart.yaml), run in run.dir/teacher before this job's
+    stages (resumed there, or skipped when that folder holds its finished run); the teacher is its last
+    checkpoint's actor."""
+    overrides: list[str] = field(default_factory=list)
+    """Overrides of that job's keys, as on the command line (`rl.num_steps=20`); its run.dir is run.dir/teacher."""
+
+
+@dataclass
+class TeacherConfig(RoleConfig):
+    """On-policy distillation's teacher (algorithm.distill_coef > 0): a frozen model with the student's tokenizer,
+    any registered architecture, that scores every token the actor samples. One more group of placement.train_gpus
+    workers (colocated: it shares the actor's GPUs), loaded and run like the ref model."""
+
+    backend: str = "megatron"
+    """What serves the teacher: megatron (a frozen Megatron model, like the ref model); the only one supported."""
+    model: ModelSettings = field(default_factory=ModelSettings)
+    """The teacher's weights (model.path: a HF folder or a megarl checkpoint folder) and its own layout."""
+    train: TeacherTraining = field(default_factory=TeacherTraining)
+
+    def check(self, key: str) -> None:
+        if self.backend != "megatron":
+            raise UserError(
+                f"{key}.backend={self.backend!r}: only megatron teachers are supported yet (a frozen Megatron model "
+                "next to the actor); an SGLang-served teacher is not implemented: use megatron"
+            )
+
+
+@dataclass
 class OffloadConfig:
     """What colocated training roles move to pinned host memory while the rollout engines hold the GPUs."""
 
@@ -181,6 +214,8 @@ class JobConfig:
     ref: RoleConfig = field(default_factory=RoleConfig)
     """Used when a KL to the reference policy is on (algorithm.kl.coef or policy_loss.kl_loss_coef)."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """How to use it: docs/algorithms.md, On-policy distillation."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Multi-turn rollouts with an environment and tools (megarl/agents/); off unless agent.env is set."""
@@ -205,6 +240,10 @@ class JobConfig:
     @property
     def needs_ref(self) -> bool:
         return bool(self.rl_stages) and self.algorithm.needs_ref()
+
+    @property
+    def needs_teacher(self) -> bool:
+        return bool(self.rl_stages) and self.algorithm.needs_teacher()
 
     def hybrid_engine(self) -> bool:
         """Whether the hf engine runs inside the actor's worker (rollout.hf.hybrid); `on` where it cannot is a
@@ -282,6 +321,7 @@ class JobConfig:
                 "rollout.routed_experts=off does not record them; use rollout.routed_experts=auto, or "
                 "algorithm.routing_replay=old_logprob"
             )
+        self._check_teacher()
         if self.rl_stages:
             self.weight_sync_transport()  # a choice the placement or layout rules out is refused here
         if self.placement.mode == "split" and self.placement.rollout_gpus % self.rollout.gpus_per_engine:
@@ -289,6 +329,39 @@ class JobConfig:
                 f"placement.rollout_gpus={self.placement.rollout_gpus} is not a multiple of "
                 f"rollout.gpus_per_engine={self.rollout.gpus_per_engine}"
             )
+
+    def _check_teacher(self) -> None:
+        """A distilling job names its teacher (or the job that trains it, which must load and train an actor)."""
+        teacher, coef = self.teacher, self.algorithm.distill_coef
+        if not self.needs_teacher:
+            if teacher.model.path or teacher.train.config:
+                why = "no RL stage" if coef > 0 else "algorithm.distill_coef=0"
+                warnings.warn(f"the teacher section has no effect: {why} (no distillation)", UserWarning, stacklevel=3)
+            return
+        if not teacher.model.path and not teacher.train.config:
+            raise UserError(
+                f"algorithm.distill_coef={coef} distils from a teacher, and none is given: set teacher.model.path (a "
+                "HF folder or megarl checkpoint with the student's tokenizer), or teacher.train.config (a job config "
+                "that trains one first)"
+            )
+        if teacher.model.path and teacher.train.config:
+            warnings.warn(
+                f"teacher.train.config={teacher.train.config!r} has no effect: teacher.model.path is given",
+                UserWarning,
+                stacklevel=3,
+            )
+        elif teacher.train.config:
+            from megarl.config import load_config
+
+            try:
+                job = load_config(JobConfig, teacher.train.config, teacher.train.overrides)
+            except UserError as err:
+                raise UserError(f"teacher.train.config={teacher.train.config!r}: {err}") from err
+            if not {"sft", "grpo", "ppo"} & set(job.run.stages):
+                raise UserError(
+                    f"teacher.train.config={teacher.train.config!r} trains no actor (run.stages={job.run.stages}): "
+                    "the teacher is the actor of that job; give it an sft, grpo or ppo stage"
+                )
 
 
 def _cuda_here() -> bool:

@@ -4,10 +4,9 @@ parallel workers.
 Rank-side functions live in the test modules; the pools' spawned processes import them by module name, so this
 folder is put on sys.path before any pool starts.
 
-With pytest-xdist installed (the dev extra), `python -m pytest tests -q` runs on XDIST_WORKERS worker processes, a
-test file whole on one worker (`--dist loadfile`: module-scoped runs and pools are shared as written); most of the
-suite waits on subprocesses, Ray and gloo ranks, so two workers pay even on two cores. `-n N` chooses otherwise,
-`-n 0` runs in this process. The GPU kit loads no plugin it does not name (PYTEST_DISABLE_PLUGIN_AUTOLOAD), so its
+With pytest-xdist installed (the dev extra), `python -m pytest tests -q -n N` runs on N worker processes, a test file
+whole on one worker (`--dist loadfile`: module-scoped runs and pools are shared as written); XDIST_WORKERS sets the
+default. The GPU kit loads no plugin it does not name (PYTEST_DISABLE_PLUGIN_AUTOLOAD), so its
 runs stay in one process.
 """
 
@@ -25,19 +24,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 from megarl.runtime.rank_pool import RankPool
 from megarl.testing.tiny_checkpoint import make_hf_checkpoint
 
-XDIST_WORKERS = 2
-"""0: the suite runs in one process, as before."""
+XDIST_WORKERS = 0
+"""Workers by default; 0: the suite runs in one process. On the 2-core CI machine two workers made the suite slower
+(82 min against 45 in one process: two Ray instances and rank pools fighting for the cores, start-up deadlines
+missed); a bigger machine gains from `-n 4`."""
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
-    """Parallel workers by default (see the module docstring). Not in pyproject's addopts: there `-n` would be an
-    unknown option wherever pytest-xdist is not loaded (the GPU kit)."""
-    if not XDIST_WORKERS or not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+    """XDIST_WORKERS workers and whole files per worker by default (see the module docstring). Not in pyproject's
+    addopts: there `-n` would be an unknown option wherever pytest-xdist is not loaded (the GPU kit)."""
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput") or config.option.collectonly:
         return
-    if config.option.numprocesses is None and config.option.dist == "no" and not config.option.collectonly:
+    if config.option.numprocesses is None and XDIST_WORKERS:
         config.option.numprocesses = XDIST_WORKERS
-        config.option.dist = "loadfile"
+    if config.option.numprocesses and config.option.dist == "no":
+        config.option.dist = "loadfile"  # module-scoped runs and pools stay on one worker
 
 
 @pytest.fixture(scope="session", autouse=True)

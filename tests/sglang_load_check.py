@@ -12,6 +12,13 @@ with SGLang's own Fp8Config of DeepSeek-V3's quantization_config (8 x 8 blocks) 
 sender makes it for rollout.weights_format=fp8 (megarl.bridge.fp8.quantize_bucket). --read-folder reads a disk-sync
 folder with SGLang's own DefaultModelLoader, as update_weights_from_disk does, and prints {name: [dtype, shape,
 sum as float64]} of what it yields.
+
+    python tests/sglang_load_check.py --serve
+
+imports SGLang's model classes once (the check's fixed cost, ~20 s of imports) and then runs one check per line read
+from stdin (`{"argv": [MODEL_DIR, ...flags], "out": RESULT_FILE}`), each in a child forked from the imported process
+(the process-wide state SGLang sets stays in the child), writing the child's JSON line to RESULT_FILE and `{"rc": N}`
+to stdout when the child is done.
 """
 
 from __future__ import annotations
@@ -148,5 +155,43 @@ def main() -> None:
     )
 
 
+def serve() -> None:
+    """Import once, fork per check (see the module docstring). Single-threaded torch (OMP_NUM_THREADS=1, set by the
+    caller) so no thread pool exists at the fork."""
+    sglang_contract.install_stand_ins()
+    import safetensors.torch  # noqa: F401
+    import sglang.srt.distributed.parallel_state
+    import sglang.srt.layers.quantization
+    import sglang.srt.model_loader.loader
+    import sglang.srt.models.registry  # noqa: F401  every model class: most of the import time
+    import transformers  # noqa: F401
+
+    import megarl.bridge.buckets
+    import megarl.bridge.fp8  # noqa: F401
+
+    for line in sys.stdin:
+        job = json.loads(line)
+        sys.stdout.flush(), sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: one check, its JSON line to the result file
+            code = 1
+            try:
+                with open(job["out"], "w") as out:
+                    os.dup2(out.fileno(), 1)
+                    sys.argv = [sys.argv[0], *job["argv"]]
+                    main()
+                    sys.stdout.flush()
+                code = 0
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    serve() if sys.argv[1:] == ["--serve"] else main()

@@ -66,11 +66,13 @@ def test_the_quickstart_gives_the_readmes_numbers(tmp_path):
     out = megarl_train(REPO / "configs/quickstart.yaml", f"run.dir={run}", f"model.path={tmp_path / 'model'}")
     evals = [round(r["eval/accuracy"], 3) for r in read_metrics(run) if "eval/accuracy" in r]
     assert evals == readme_quickstart_row()
-    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    lines = [line for line in (out.stdout + "\n" + out.stderr).splitlines() if line.strip()]
     foreign = [line for line in lines if not line.startswith(("step ", "megarl: ", "Writing model shards"))]
     assert foreign == []
-    # the end-of-run summary: the held-out accuracy first -> last, where everything is, the command that resumes
-    summary = lines[next(i for i, line in enumerate(lines) if line.startswith("megarl: done in ")) :]
+    # the end-of-run summary (on stdout, the model build's progress bar on stderr): the held-out accuracy first ->
+    # last, where everything is, the command that resumes
+    printed = [line for line in out.stdout.splitlines() if line.strip()]
+    summary = printed[next(i for i, line in enumerate(printed) if line.startswith("megarl: done in ")) :]
     assert summary[0].endswith("; stages sft (300 steps), grpo (60 steps)")
     assert summary[1].startswith(f"megarl: eval/accuracy {evals[0]:.3f} -> {evals[-1]:.3f} (step ")
     assert f"megarl: metrics      {run / 'metrics.jsonl'}" in summary

@@ -10,7 +10,9 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import itertools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -196,19 +198,43 @@ def sglang_checkpoint(hf_checkpoint, tmp_path_factory):
     return make
 
 
-def sglang_load_check(folder: Path, *extra: str) -> dict:
+@pytest.fixture(scope="module")
+def sglang_load_check(tmp_path_factory):
+    """sglang_load_check(folder, *flags) -> the JSON of tests/sglang_load_check.py: every check of this module in one
+    process that imports SGLang's model classes once and forks a child per check (`--serve`)."""
     if not sglang_contract.installed():
         pytest.skip(sglang_contract.INSTALL_HINT)
-    done = subprocess.run(
-        [sys.executable, str(TESTS / "sglang_load_check.py"), str(folder), *extra],
-        capture_output=True, text=True, timeout=300, check=False,
+    folder = tmp_path_factory.mktemp("sglang-load-check")
+    log = (folder / "server.log").open("w")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    server = subprocess.Popen(
+        [sys.executable, str(TESTS / "sglang_load_check.py"), "--serve"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    checks = itertools.count()
+
+    def check(model_dir: Path, *extra: str) -> dict:
+        out = folder / f"check-{next(checks)}.json"
+        server.stdin.write(json.dumps({"argv": [str(model_dir), *extra], "out": str(out)}) + "\n")
+        server.stdin.flush()
+        answer = server.stdout.readline()
+        tail = (folder / "server.log").read_text()[-3000:]
+        assert answer and json.loads(answer)["rc"] == 0, f"the load check of {model_dir} {extra} failed:\n{tail}"
+        return json.loads(out.read_text().strip().splitlines()[-1])
+
+    try:
+        yield check
+    finally:
+        server.stdin.close()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
-def test_sglang_model_class_loads_every_exported_tensor(sglang_checkpoint, name):
+def test_sglang_model_class_loads_every_exported_tensor(sglang_checkpoint, sglang_load_check, name):
     # the export stream's names are exactly the HF checkpoint's (tests/test_bridge_parity.py); loaded in the buckets
     # megarl's weight sync forms (every tensor alone, fused groups together), every one must change a parameter of
     # SGLang's model and every parameter must be written
@@ -217,14 +243,14 @@ def test_sglang_model_class_loads_every_exported_tensor(sglang_checkpoint, name)
     assert result["no_effect"] == [] and result["unwritten"] == []
 
 
-def test_deepseek_fused_projections_load_only_together(sglang_checkpoint):
+def test_deepseek_fused_projections_load_only_together(sglang_checkpoint, sglang_load_check):
     # the defect the travel groups fix, reproduced with SGLang's own DeepseekV2 loader: alone, neither lands
     result = sglang_load_check(sglang_checkpoint("tiny-deepseek-v3"), "--one-by-one")
     assert result["unwritten"] == [f"model.layers.{i}.self_attn.fused_qkv_a_proj_with_mqa.weight" for i in range(4)]
     assert len(result["no_effect"]) == 8 and all("_a_proj" in n for n in result["no_effect"])
 
 
-def test_sglang_fp8_model_loads_every_tensor_of_megarls_fp8_buckets(sglang_checkpoint):
+def test_sglang_fp8_model_loads_every_tensor_of_megarls_fp8_buckets(sglang_checkpoint, sglang_load_check):
     # rollout.weights_format=fp8: SGLang's DeepseekV2 built with its own Fp8Config (block-wise, as DeepSeek-V3's
     # checkpoint declares) takes every FP8 weight and weight_scale_inv megarl's sender makes, fused groups included;
     # only the attention's KV-cache scales stay SGLang's own (DeepSeek-V3's checkpoint has none either)
@@ -240,7 +266,7 @@ def test_sglang_fp8_model_loads_every_tensor_of_megarls_fp8_buckets(sglang_check
     assert sent["model.layers.1.mlp.gate.weight"] == sent["lm_head.weight"] == "torch.float32"  # as trained
 
 
-def test_sglang_reads_the_folder_of_a_disk_sync(sglang_checkpoint, tmp_path):
+def test_sglang_reads_the_folder_of_a_disk_sync(sglang_checkpoint, sglang_load_check, tmp_path):
     # rollout.weight_sync=disk: two sending ranks write their buckets (FP8 ones included) with megarl's writer;
     # SGLang's own loader, as update_weights_from_disk runs it on every node, yields every tensor, bit for bit
     import torch.distributed as dist
@@ -266,7 +292,7 @@ def test_sglang_reads_the_folder_of_a_disk_sync(sglang_checkpoint, tmp_path):
     assert found == {name: [str(t.dtype), list(t.shape), t.double().sum().item()] for name, t in sent.items()}
 
 
-def test_sglang_cannot_serve_qwen3_moe_dense_layers(sglang_checkpoint):
+def test_sglang_cannot_serve_qwen3_moe_dense_layers(sglang_checkpoint, sglang_load_check):
     # SGLang 0.5.23 ignores mlp_only_layers: such checkpoints are refused for rollout.backend=sglang at pre-flight
     result = sglang_load_check(sglang_checkpoint("tiny-qwen3-moe"))
     assert result["unwritten"] == [f"model.layers.1.mlp.{p}" for p in ("experts.w13_weight", "experts.w2_weight",

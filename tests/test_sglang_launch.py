@@ -22,11 +22,13 @@ from megarl.rollout.sglang_server import SGLangServerError
 def test_launched_server_that_dies_reports_exit_code_and_log(tmp_path):
     """The real launch path: `python -m sglang.launch_server` exits at once here (no sglang installed, or only its
     CPU-importable parts for the contract tests)."""
-    config = SGLangEngineConfig(startup_timeout_s=60)
+    config = SGLangEngineConfig(startup_timeout_s=600)
     start = time.monotonic()
     with pytest.raises(SGLangServerError) as info:
         SGLangEngine("/ckpt/tiny", config, log_path=tmp_path / "sglang.log")
-    assert time.monotonic() - start < 20
+    assert (
+        time.monotonic() - start < 300
+    )  # the exit is seen, not the start-up time-out (importing sglang takes a while)
     message = str(info.value)
     assert "exited with code 1 while starting" in message and "last lines of" in message
     assert f"{sys.executable} -m sglang.launch_server --model-path /ckpt/tiny" in message

@@ -380,13 +380,13 @@ def test_a_node_that_never_joins_is_named(slurm, tmp_path):
         f"touch {marker}",
         config,
         MEGARL_SETUP="[[ ${SLURM_PROCID:-0} == 1 ]] && exit 3",  # the second Ray node fails before `ray start`
-        MEGARL_RAY_WAIT_S="10",
+        MEGARL_RAY_WAIT_S="25",  # the head itself must be up by then on a loaded machine
     )
     job = wait_done(slurm, job_id, 180)
     log = (job_dir / "logs" / "sbatch.log").read_text()
     assert job["JobState"] == "FAILED", log
     host = socket.gethostname().split(".")[0]
-    assert f"Ray nodes missing after 10 s: {host} (1 of 2)" in log
+    assert f"Ray nodes missing after 25 s: {host} (1 of 2)" in log
     assert not marker.exists()  # the entry command never ran
     _wait(lambda: not job_processes(job_id), 60, "the job's processes to exit")
 

@@ -294,6 +294,13 @@ class AlgorithmConfig:
     """The KL reward penalty's coefficient: `fixed` (kl.coef throughout) or `adaptive` (Ziegler et al. 2019: starts
     at kl.coef, steered each step towards kl.target_kl over kl.horizon samples; logged as kl/coef and kept in run
     checkpoints, so a resumed run continues it)."""
+    distill_coef: float = 0.0
+    """On-policy distillation (docs/algorithms.md): weight of each response token's distillation advantage, log
+    pi_teacher - log pi_student (the per-token reverse KL, negated), added to the reward's advantage; the teacher is
+    the `teacher` section's model. 0 turns distillation off (no teacher is loaded)."""
+    distill_reward_coef: float = 1.0
+    """With distill_coef > 0: weight of the verifier's reward advantage (advantage.estimator) in that sum; 0 is pure
+    distillation (the reward is still computed and logged)."""
     routing_replay: str = "off"
     """MoE models: which expert choices the trainer's forward passes use (workers/routing_replay.py). `rollout`
     (R3): the experts the rollout engine chose for every token, in the old-log-prob pass and every update (the
@@ -315,6 +322,22 @@ class AlgorithmConfig:
             raise UserError(
                 f"{p}kl_ctrl=adaptive scales {p}kl.coef, which is {self.kl.coef}: set {p}kl.coef > 0 (the starting "
                 "coefficient, e.g. 0.05)"
+            )
+        _check_range(f"{p}distill_coef", self.distill_coef, 0.0)
+        _check_range(f"{p}distill_reward_coef", self.distill_reward_coef, 0.0)
+        if self.distill_coef == 0 and self.distill_reward_coef != 1.0:
+            warnings.warn(
+                f"{p}distill_reward_coef={self.distill_reward_coef} has no effect with {p}distill_coef=0 (no "
+                "distillation)",
+                UserWarning,
+                stacklevel=2,
+            )
+        if self.distill_coef > 0 and self.distill_reward_coef == 0 and self.dapo.dynamic_sampling:
+            warnings.warn(
+                f"{p}dapo.dynamic_sampling drops prompt groups whose rewards are all equal, but pure distillation "
+                f"({p}distill_reward_coef=0) learns from them too; turn dynamic sampling off",
+                UserWarning,
+                stacklevel=2,
             )
         for name, valid in (("routing_replay", ROUTING_REPLAY_MODES), ("routing_invalid", ("error", "live"))):
             if getattr(self, name) not in valid:
@@ -362,6 +385,10 @@ class AlgorithmConfig:
     def needs_ref(self) -> bool:
         """Whether ref log-probs are needed (KL in the reward or as a loss)."""
         return self.kl.coef > 0 or self.policy_loss.kl_loss_coef > 0
+
+    def needs_teacher(self) -> bool:
+        """Whether teacher log-probs are needed (on-policy distillation)."""
+        return self.distill_coef > 0
 
     def needs_rollout_logprobs(self) -> bool:
         """Whether the engine's log-probs are needed by the off-policy correction."""

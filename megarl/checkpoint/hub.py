@@ -69,7 +69,7 @@ def localize_model_paths(config, weights: bool = True) -> None:
     built = config.model.path if config.model.init is not None else None
     resolved: dict[str, str] = {}
     holders = [("model", config.model)] + [
-        (f"{role}.model", getattr(config, role).model) for role in ("actor", "critic", "ref", "reward_model")
+        (f"{role}.model", getattr(config, role).model) for role in ("actor", "critic", "ref", "teacher", "reward_model")
     ]
     for key, holder in holders:
         if holder.path == built or not is_hub_id(holder.path):

@@ -103,10 +103,21 @@ class MicroBatchSettings:
     work (0: always pack). Expert-parallel ranks always pack (they must agree and hold different rows)."""
     forward_max_tokens: int = 0
     """Budget for forward-only passes (log-probs, values); 0 = 2 x max_tokens."""
+    logprob_chunk_tokens: int = 0
+    """Roles with a language-model head (actor, ref, teacher): compute log-probs and entropy over chunks of this
+    many tokens (LM head, log-softmax and entropy per chunk, recomputed per chunk in the backward), so [tokens x
+    vocab] logits never exist for a whole micro-batch; the numbers equal the unchunked ones to float rounding.
+    Pays for long sequences and large vocabularies (docs/long_context.md); 0 = off (logits of a whole micro-batch
+    at once). Value heads (critic, reward model) ignore it."""
 
     def check(self, key: str) -> None:
         if self.max_tokens < 1:
             raise UserError(f"{key}.max_tokens={self.max_tokens} must be >= 1")
+        if self.logprob_chunk_tokens < 0:
+            raise UserError(
+                f"{key}.logprob_chunk_tokens={self.logprob_chunk_tokens} must be >= 0 (0 = off; e.g. 4096 computes "
+                "log-probs 4096 tokens at a time)"
+            )
         if not 0 <= self.packing_min_padding < 1:
             raise UserError(f"{key}.packing_min_padding={self.packing_min_padding} must be in [0, 1)")
 

@@ -81,10 +81,10 @@ class MegatronWorker(Worker):
         """Log-probs; MoE models: `routing` says what the routers do (observe, replay, record: policy.py)."""
         from megarl.workers.policy import compute_logprobs
 
-        budget = self.micro_batch.forward_budget
+        budget, chunk_tokens = self.micro_batch.forward_budget, self.micro_batch.logprob_chunk_tokens
         packing = self._packing(batch)
         return compute_logprobs(
-            self.model, batch, temperature, budget, with_entropy, routing, packing, with_sum_pi_squared
+            self.model, batch, temperature, budget, with_entropy, routing, packing, with_sum_pi_squared, chunk_tokens
         )
 
     def update_policy(self, batch: Batch, loss_fn, temperature: float = 1.0) -> dict[str, float]:
@@ -92,7 +92,15 @@ class MegatronWorker(Worker):
 
         faults.hit(f"{self.role}.update")
         settings = self.micro_batch
-        return update_policy(self.model, batch, loss_fn, temperature, settings.max_tokens, self._packing(batch))
+        return update_policy(
+            self.model,
+            batch,
+            loss_fn,
+            temperature,
+            settings.max_tokens,
+            self._packing(batch),
+            settings.logprob_chunk_tokens,
+        )
 
     # -- value (critic, reward model) ----------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from megarl.data.batch import Batch
+from megarl.workers.chunked_logprobs import PolicyHead
 from megarl.workers.role_model import RoleModel
 from megarl.workers.routing_replay import scored_tokens
 from megarl.workers.schedule import (
@@ -29,7 +30,6 @@ from megarl.workers.schedule import (
     shares_prompts,
     split_micro_batches,
 )
-from megarl.workers.token_stats import prepare_logits, token_entropy, token_logprobs, token_sum_pi_squared
 from megarl.workers.train_step import MetricSums, train_step, weighted
 
 
@@ -52,6 +52,7 @@ def compute_logprobs(
     routing: str = "off",
     packing: bool = False,
     with_sum_pi_squared: bool = False,
+    chunk_tokens: int = 0,
 ) -> Batch | None:
     """`logprobs` [B, S] (and `entropy`, `sum_pi_squared`: sum over the vocabulary of p^2) aligned with input_ids;
     a Batch on output ranks, None elsewhere.
@@ -59,7 +60,8 @@ def compute_logprobs(
     MoE models, `routing` (workers/routing_replay.py): `observe` or `replay` the batch's routed_experts; `record`
     the live routing, returned as `routed_experts` and `routing_mask`; `off`: live routing, nothing added. Where
     the batch has routed_experts (the engine's), per-sample, per-layer `routing_agree` / `routing_observed` counts
-    [B, L] say how often the live routing chose them. packing: packed micro-batches (not with a routing pass)."""
+    [B, L] say how often the live routing chose them. packing: packed micro-batches (not with a routing pass).
+    chunk_tokens: compute the log-probs this many tokens at a time (workers/chunked_logprobs.py); 0 = off."""
     replay = model.routing_pass(routing, batch)
     packed = packing and replay is None
     shape = schedule_shape(model.chunks)
@@ -71,20 +73,21 @@ def compute_logprobs(
             replay.prepare(chunk, tensors)
         output = gpt_output(chunk, tensors)
 
-        def loss_fn(logits: torch.Tensor):
-            logits = prepare_logits(logits, model.vocab, temperature)
-            positions = tensors.get("position_ids")  # packed rows
-            payload: dict[str, Any] = {"logprobs": token_logprobs(logits, tensors["input_ids"], positions)}
+        def loss_fn(output: torch.Tensor):
+            stats = head.token_stats(output, tensors, "metric" if with_entropy else "off", with_sum_pi_squared)
+            payload: dict[str, Any] = {"logprobs": stats.logprobs}
             if with_entropy:
-                payload["entropy"] = token_entropy(logits, positions)
+                payload["entropy"] = stats.entropy
             if with_sum_pi_squared:
-                payload["sum_pi_squared"] = token_sum_pi_squared(logits, positions)
-            return logits.new_zeros(()), torch.ones((), dtype=torch.int, device=logits.device), payload
+                payload["sum_pi_squared"] = stats.sum_pi_squared
+            return output.new_zeros(()), torch.ones((), dtype=torch.int, device=output.device), payload
 
         return output, loss_fn
 
+    head = PolicyHead(model.loaded.chunks, model.vocab, temperature, chunk_tokens)
     try:
-        payloads = run_schedule(model.chunks, micro_batches, step, forward_only=True)
+        with head.active():
+            payloads = run_schedule(model.chunks, micro_batches, step, forward_only=True)
     finally:
         if replay is not None:
             replay.finish()
@@ -130,33 +133,31 @@ def update_policy(
     temperature: float = 1.0,
     max_tokens: int = 8192,
     packing: bool = False,
+    chunk_tokens: int = 0,
 ) -> dict[str, float]:
     """One optimizer step on this rank's share of a mini-batch (`loss_weights` must be in the batch). MoE models
     replay the batch's routed_experts when it has them (metric `routing_replayed`); packing: packed micro-batches
-    (not while replaying)."""
+    (not while replaying); chunk_tokens: log-probs this many tokens at a time, recomputed in the backward."""
     replay = model.routing_pass("replay", batch)
+    head = PolicyHead(model.loaded.chunks, model.vocab, temperature, chunk_tokens)
+    # entropy with its gradient when the loss has an entropy term; a metric only (no gradient) when it reports one
+    entropy = "grad" if loss_fn.needs_entropy else "metric" if loss_fn.reports_entropy else "off"
 
-    def objective(logits: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, MetricSums]:
-        logits = prepare_logits(logits, model.vocab, temperature)
-        positions = tensors.get("position_ids")  # packed rows
-        logprobs = token_logprobs(logits, tensors["input_ids"], positions)
-        entropy = None
-        if loss_fn.needs_entropy:
-            entropy = token_entropy(logits, positions)
-        elif loss_fn.reports_entropy:  # a metric only: no gradient through it
-            entropy = token_entropy(logits.detach(), positions)
-        per_token_loss, metrics = loss_fn(logprobs, entropy, tensors)
+    def objective(output: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, MetricSums]:
+        stats = head.token_stats(output, tensors, entropy)
+        per_token_loss, metrics = loss_fn(stats.logprobs, stats.entropy, tensors)
         return weighted(per_token_loss, metrics, tensors["loss_weights"])
 
     try:
-        metrics = train_step(
-            model,
-            batch,
-            objective,
-            max_tokens,
-            before_forward=replay and replay.prepare,
-            packing=packing and not replay,
-        )
+        with head.active():
+            metrics = train_step(
+                model,
+                batch,
+                objective,
+                max_tokens,
+                before_forward=replay and replay.prepare,
+                packing=packing and not replay,
+            )
     finally:
         if replay is not None:
             replay.finish()

@@ -148,7 +148,11 @@ def apply_delta(delta: DeltaBucket, target_of: Callable[[str], torch.Tensor]) ->
 
 def delta_to_bucket(delta: DeltaBucket) -> Bucket:
     """A delta as a plain bucket of named tensors, so every road carries it as it carries weights: whole tensors
-    under their names, deltas as `NAME@delta.indices` / `NAME@delta.values`, the checksum as CHECKSUM_NAME."""
+    under their names, deltas as `NAME@delta.indices` / `NAME@delta.values`, the checksum as CHECKSUM_NAME. A bucket of
+    whole tensors only is a plain weight bucket, byte for byte what a sync without deltas sends: whole tensors
+    overwrite, so there is nothing for a checksum to check."""
+    if all(entry.full is not None for entry in delta.entries):
+        return [(entry.name, entry.full) for entry in delta.entries]
     bucket: Bucket = []
     for entry in delta.entries:
         if entry.full is not None:

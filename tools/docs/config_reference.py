@@ -41,6 +41,7 @@ SECTION_USE = {
     "critic": "`ppo` (`algorithm.advantage.estimator=gae`)",
     "ref": "`grpo`, `ppo` when a KL to the reference is on (`algorithm.kl.coef` or `policy_loss.kl_loss_coef`)",
     "reward_model": "`grpo`, `ppo` with `reward_model.enabled`; trained by the `rm` stage",
+    "teacher": "`grpo`, `ppo` with on-policy distillation (`algorithm.distill_coef` > 0)",
     "rollout": "`grpo`, `ppo` (and evaluation after `sft`)",
     "agent": "`grpo`, `ppo` with `agent.env` set (multi-turn episodes)",
     "algorithm": "`grpo`, `ppo`",

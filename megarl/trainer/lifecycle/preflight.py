@@ -98,10 +98,33 @@ def check_ray_nodes(cluster, env: Mapping[str, str] = os.environ) -> None:
     )
 
 
+def check_role_layout(name: str, role: RoleConfig, arch, hf_config, gpus: int) -> int:
+    """The role's TP/PP/EP split its model (`hf_config`, architecture `arch`) and its `gpus` workers; returns its
+    data-parallel size."""
+    from megarl.models.layout import check_parallel_layout
+
+    key = f"{name}.model.parallel"
+    parallel = role.model.parallel
+    check_parallel_layout(arch, hf_config, parallel, prefix=f"{key}.")
+    model_parallel = parallel.model_parallel_size
+    if gpus % model_parallel:
+        valid = [n for n in range(model_parallel, 8 * model_parallel + 1, model_parallel)]
+        raise UserError(
+            f"{key}: tp*pp*cp={model_parallel} does not divide placement.train_gpus={gpus} (the role's workers); "
+            f"valid train_gpus: {', '.join(map(str, valid))}, ..."
+        )
+    expert_ranks = parallel.ep * (parallel.etp if parallel.etp is not None else parallel.tp) * parallel.pp
+    if parallel.ep > 1 and gpus % expert_ranks:
+        raise UserError(
+            f"{key}: ep*etp*pp={expert_ranks} does not divide placement.train_gpus={gpus} (Megatron lays experts "
+            "out over the data-parallel ranks of each stage)"
+        )
+    return gpus // model_parallel
+
+
 def preflight(config: JobConfig, check_memory: bool = True, off_machine: bool = False) -> None:
     """Every check train makes before Ray starts; `megarl plan` and `--dry-run` run it too (off_machine: the model
     files may be on the cluster only, see load_model_config)."""
-    from megarl.models.layout import check_parallel_layout
     from megarl.models.registry import get_architecture
     from megarl.rollout.weights_format import rollout_quantization
     from megarl.runtime.folders import check_writable_folder
@@ -118,23 +141,7 @@ def preflight(config: JobConfig, check_memory: bool = True, off_machine: bool = 
         arch.check_sglang_supported(hf_config)
     gpus = config.placement.train_gpus
     for name, role in used_roles(config).items():
-        key = f"{name}.model.parallel"
-        parallel = role.model.parallel
-        check_parallel_layout(arch, hf_config, parallel, prefix=f"{key}.")
-        model_parallel = parallel.model_parallel_size
-        if gpus % model_parallel:
-            valid = [n for n in range(model_parallel, 8 * model_parallel + 1, model_parallel)]
-            raise UserError(
-                f"{key}: tp*pp*cp={model_parallel} does not divide placement.train_gpus={gpus} (the role's workers); "
-                f"valid train_gpus: {', '.join(map(str, valid))}, ..."
-            )
-        dp = gpus // model_parallel
-        expert_ranks = parallel.ep * (parallel.etp if parallel.etp is not None else parallel.tp) * parallel.pp
-        if parallel.ep > 1 and gpus % expert_ranks:
-            raise UserError(
-                f"{key}: ep*etp*pp={expert_ranks} does not divide placement.train_gpus={gpus} (Megatron lays experts "
-                "out over the data-parallel ranks of each stage)"
-            )
+        dp = check_role_layout(name, role, arch, hf_config, gpus)
         if name == "reward_model" and "rm" in config.run.stages and config.rm.batch_size % dp:
             raise UserError(
                 f"rm.batch_size={config.rm.batch_size} must be a multiple of the reward model's data-parallel size "
@@ -159,6 +166,7 @@ def preflight(config: JobConfig, check_memory: bool = True, off_machine: bool = 
             UserWarning,
             stacklevel=2,
         )
+    check_teacher(config, off_machine)  # a teacher the run trains first (teacher.train): once it exists
     if check_memory:
         _check_memory(config)
     if config.placement.mode == "colocated" and gpus % config.rollout.gpus_per_engine:
@@ -166,6 +174,34 @@ def preflight(config: JobConfig, check_memory: bool = True, off_machine: bool = 
             f"placement.train_gpus={gpus} is not a multiple of rollout.gpus_per_engine="
             f"{config.rollout.gpus_per_engine}: colocated engines share the training GPUs"
         )
+
+
+def check_teacher(config: JobConfig, off_machine: bool = False, tokenizer=None) -> None:
+    """The teacher's model exists, its architecture is supported, its layout splits it over the role's workers,
+    and (given the student's `tokenizer`) it has the student's vocabulary. A teacher still to be trained
+    (teacher.train) or, off_machine, not on this machine, is checked later."""
+    from megarl.checkpoint.model_dir import hf_config_dir
+    from megarl.models.hf_config import load_hf_config
+    from megarl.models.registry import get_architecture
+    from megarl.trainer.lifecycle.teacher import check_same_tokenizer
+
+    path = config.teacher.model.path
+    if not config.needs_teacher or not path:
+        return
+    if not Path(path).exists():
+        if off_machine:
+            return
+        raise UserError(
+            f"teacher.model.path={path!r} does not exist; give a HF model folder or a megarl checkpoint folder with "
+            "the student's tokenizer, or leave it empty and set teacher.train.config to train one first"
+        )
+    hf_config = load_hf_config(hf_config_dir(path))
+    arch = get_architecture(hf_config.model_type)
+    arch.check_supported(hf_config)
+    check_model_files(path, hf_config)
+    check_role_layout("teacher", config.teacher, arch, hf_config, config.placement.train_gpus)
+    if tokenizer is not None:
+        check_same_tokenizer(path, tokenizer)
 
 
 def plans_memory(config: JobConfig) -> bool:

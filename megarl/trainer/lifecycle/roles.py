@@ -35,6 +35,11 @@ if TYPE_CHECKING:
     from megarl.job import JobConfig, RoleConfig
 
 
+FROZEN_POLICIES = ("ref", "teacher")
+"""Roles holding a frozen policy (no optimizer, never saved): each is set up alike from its own config section, and
+scores the rollout's tokens (trainer/loops/rl_steps.py, LOGPROB_TENSORS)."""
+
+
 @dataclass
 class Roles:
     actor: WorkerGroup
@@ -45,6 +50,8 @@ class Roles:
     reward_model: WorkerGroup | None
     pools: list[ResourcePool]
     colocated: bool
+    teacher: WorkerGroup | None = None
+    """On-policy distillation's teacher (teacher section): a frozen policy like `ref`."""
     engine_gpu_ids: list[list[str]] | None = None
     """GPU ids of each rollout engine (rank order) on its first node when engines have several GPUs; None: one
     GPU, the worker's."""
@@ -52,7 +59,7 @@ class Roles:
     """Each engine's other nodes (node-rank 1, 2, ...), for engines across nodes; None: engines within a node."""
 
     def training_groups(self) -> list[WorkerGroup]:
-        return [g for g in (self.actor, self.critic, self.ref, self.reward_model) if g is not None]
+        return [g for g in (self.actor, self.critic, self.ref, self.teacher, self.reward_model) if g is not None]
 
     def on_gpus(self) -> bool:
         """Whether the training workers compute on GPUs (one call to the actor's workers)."""
@@ -143,6 +150,7 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
     wanted = {
         "critic": config.needs_critic,
         "ref": config.needs_ref,
+        "teacher": config.needs_teacher,
         "reward_model": (bool(config.rl_stages) and config.reward_model.enabled) or "rm" in config.run.stages,
     }
     train_roles = ["actor", *[name for name, on in wanted.items() if on]]
@@ -192,6 +200,7 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
         rollout=rollout,
         critic=groups.get("critic"),
         ref=groups.get("ref"),
+        teacher=groups.get("teacher"),
         reward_model=groups.get("reward_model"),
         pools=pools,
         colocated=colocated,
@@ -216,8 +225,9 @@ def setup_roles(config: JobConfig, roles: Roles, rl_optimizer_steps: int, resume
         pending.append(
             _setup(roles.critic, config.critic, "value", config.critic.optim, rl_optimizer_steps, seed, resume)
         )
-    if roles.ref is not None:
-        pending.append(_setup(roles.ref, config.ref, "lm", None, 1, seed, None))
+    for name in FROZEN_POLICIES:
+        if (group := getattr(roles, name)) is not None:
+            pending.append(_setup(group, getattr(config, name), "lm", None, 1, seed, None))
     if roles.reward_model is not None:
         trained = "rm" in config.run.stages
         optim = config.rm.optim if trained else None

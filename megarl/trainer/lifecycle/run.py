@@ -75,7 +75,8 @@ def _train(config: JobConfig) -> int:
     from megarl.cluster.errors import WorkerError
     from megarl.config import config_hash, save_resolved
     from megarl.trainer.lifecycle.model_init import ensure_model
-    from megarl.trainer.lifecycle.preflight import preflight
+    from megarl.trainer.lifecycle.preflight import check_teacher, preflight
+    from megarl.trainer.lifecycle.teacher import ensure_teacher
 
     started = time.monotonic()
     localize_model_paths(config)  # Hub ids: fetched into (or found in) the Hugging Face cache
@@ -85,6 +86,9 @@ def _train(config: JobConfig) -> int:
     _check_resume(config, checkpoints)
     ensure_model(config.model.path, config.model.init)
     tokenizer, data = _read_data(config)  # every row checked before the run folder or any process exists
+    if code := ensure_teacher(config, train):  # distillation: a teacher the job trains first (teacher.train)
+        return code
+    check_teacher(config, tokenizer=tokenizer)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(config, run_dir / "config.yaml")
     # A restart with no checkpoint yet starts the data from the beginning again, not where the failed attempt was.
@@ -330,7 +334,7 @@ def _summarize(config: JobConfig, checkpoints: RunCheckpoints, code: int, second
                 [(stage, stage_steps(config, stage)) for stage in config.run.stages],
                 seconds,
                 resume_command(run_dir),
-                checkpoints.latest(),
+                checkpoints.pointed(),  # not latest(): its check of the shards costs seconds of imports
                 stopped,
             )
         )

@@ -74,6 +74,11 @@ class RunCheckpoints:
         self.root = Path(run_dir) / "checkpoints"
         self.keep = keep
 
+    def pointed(self) -> Path | None:
+        """The folder `latest` names, unchecked (what a run that just saved it reports), or None."""
+        pointer = self.root / LATEST
+        return self.root / pointer.read_text().strip() if pointer.is_file() else None
+
     def latest(self) -> Path | None:
         """The newest complete checkpoint folder, or None."""
         pointer = self.root / LATEST

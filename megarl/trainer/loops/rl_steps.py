@@ -15,6 +15,7 @@ from megarl.algorithms.advantages import AdvantageInputs, apply_kl_penalty, comp
 from megarl.algorithms.aggregation import loss_weights
 from megarl.algorithms.config import AlgorithmConfig
 from megarl.algorithms.dapo import add_to_last_token, apply_overlong_penalty
+from megarl.algorithms.distillation import distillation_advantages, distillation_metrics
 from megarl.algorithms.kl import adaptive_kl_coef
 from megarl.data.batch import Batch
 from megarl.rewards.runner import RewardRunner
@@ -28,6 +29,9 @@ from megarl.trainer.rollout_side.routing import (
     check_agreement,
     without_routing,
 )
+
+LOGPROB_TENSORS = {"ref": "ref_logprobs", "teacher": "teacher_logprobs"}
+"""The frozen policies (lifecycle/roles.py FROZEN_POLICIES) and the batch tensor each one's log-probs fill."""
 
 KL_COEF = "kl_coef"
 """Key of the adaptive KL controller's coefficient in the trainer state's `extra` (saved with run checkpoints)."""
@@ -83,7 +87,7 @@ def token_rewards(batch: Batch, scores_B: torch.Tensor, algorithm: AlgorithmConf
 def old_logprobs_redundant(config, routing: RoutingPlan | None) -> bool:
     """Whether the actor's old-log-prob pass would recompute what the update's own forward gives: one optimizer
     step per batch on the weights that pass would use, with nothing before the update reading old_logprobs (a KL
-    reward penalty does; MoE models' pass measures and replays routing)."""
+    reward penalty does, as does distillation's advantage; MoE models' pass measures and replays routing)."""
     rl = config.rl
     return (
         rl.old_logprobs == "auto"
@@ -91,6 +95,7 @@ def old_logprobs_redundant(config, routing: RoutingPlan | None) -> bool:
         and rl.ppo_epochs == 1
         and rl.mini_batches == 1
         and config.algorithm.kl.coef == 0
+        and not config.algorithm.needs_teacher()
         and not config.algorithm.needs_sum_pi_squared()
         and routing is None
     )
@@ -113,7 +118,7 @@ def add_logprobs(
     sum_pi_squared: bool = False,
 ) -> tuple[Batch, dict[str, float]]:
     """old_logprobs (and entropy; sum_pi_squared when asked: the optimal token baseline) from the actor,
-    ref_logprobs from the ref model, old_values from the critic.
+    ref_logprobs from the ref model, teacher_logprobs from the teacher, old_values from the critic.
     MoE models (`routing`): the actor's pass compares, replays or records the routing (trainer/rollout_side/routing.py).
     actor_pass=False (see old_logprobs_redundant): no actor pass; the update takes its own log-probs as old."""
     mode = routing.logprob_pass if routing is not None else "off"
@@ -132,9 +137,9 @@ def add_logprobs(
             tensors |= {name: out[name] for name in ROUTING_FIELDS}
     else:
         metrics["actor/old_logprobs_from_update"] = 1.0
-    if roles.ref is not None:
-        ref = _dp_call(roles.ref, "compute_logprobs", batch, temperature, balance=balance)
-        tensors["ref_logprobs"] = ref["logprobs"]
+    for name, tensor in LOGPROB_TENSORS.items():  # the frozen policies' log-probs of the same tokens
+        if (group := getattr(roles, name)) is not None:
+            tensors[tensor] = _dp_call(group, "compute_logprobs", batch, temperature, balance=balance)["logprobs"]
     if roles.critic is not None:
         values = _dp_call(roles.critic, "compute_values", batch, balance=balance)
         tensors["old_values"] = values["values"]
@@ -157,7 +162,8 @@ def add_reward_baselines(
 def add_advantages(
     batch: Batch, algorithm: AlgorithmConfig, state: dict | None = None
 ) -> tuple[Batch, dict[str, float]]:
-    """KL reward penalty (if on), then advantages and returns. With algorithm.kl_ctrl=adaptive the penalty's
+    """KL reward penalty (if on), then advantages and returns (with distillation: mixed with the teacher's; see
+    megarl/algorithms/distillation.py). With algorithm.kl_ctrl=adaptive the penalty's
     coefficient is state["kl_coef"] (the trainer state's `extra`, kept in run checkpoints; algorithm.kl.coef at
     first), updated here for the next step."""
     rewards, metrics = batch["token_rewards"], {}
@@ -185,6 +191,12 @@ def add_advantages(
         tensors.get("sum_pi_squared"),
     )
     advantages, returns = compute_advantages(inputs, algorithm.advantage)
+    if algorithm.needs_teacher():  # on-policy distillation: the teacher's per-token reverse KL joins the advantage
+        student, teacher = batch["old_logprobs"], batch["teacher_logprobs"]
+        advantages, reverse_kl = distillation_advantages(
+            advantages, student, teacher, mask, algorithm.distill_coef, algorithm.distill_reward_coef
+        )
+        metrics |= distillation_metrics(reverse_kl, teacher, mask)
     metrics["advantages/mean"] = _masked_mean(advantages, mask.float())
     metrics["advantages/abs_mean"] = _masked_mean(advantages.abs(), mask.float())
     return batch.with_tensors(advantages=advantages, returns=returns), metrics
