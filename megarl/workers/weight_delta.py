@@ -151,15 +151,14 @@ def delta_to_bucket(delta: DeltaBucket) -> Bucket:
     under their names, deltas as `NAME@delta.indices` / `NAME@delta.values`, the checksum as CHECKSUM_NAME. A bucket of
     whole tensors only is a plain weight bucket, byte for byte what a sync without deltas sends: whole tensors
     overwrite, so there is nothing for a checksum to check."""
-    if all(entry.full is not None for entry in delta.entries):
-        return [(entry.name, entry.full) for entry in delta.entries]
     bucket: Bucket = []
     for entry in delta.entries:
         if entry.full is not None:
             bucket.append((entry.name, entry.full))
         else:
             bucket += [(entry.name + _INDICES, entry.indices), (entry.name + _VALUES, entry.values)]
-    bucket.append((CHECKSUM_NAME, torch.tensor([delta.checksum], dtype=torch.int64)))
+    if any(entry.full is None for entry in delta.entries):
+        bucket.append((CHECKSUM_NAME, torch.tensor([delta.checksum], dtype=torch.int64)))
     return bucket
 
 

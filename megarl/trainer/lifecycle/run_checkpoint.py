@@ -81,13 +81,12 @@ class RunCheckpoints:
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint folder, or None."""
-        pointer = self.root / LATEST
-        if not pointer.is_file():
+        folder = self.pointed()
+        if folder is None:
             return None
-        folder = self.root / pointer.read_text().strip()
         if not (folder / STATE_FILE).is_file():
             raise UserError(
-                f"{pointer} names {folder.name}, which is not a complete checkpoint (no {STATE_FILE}); "
+                f"{self.root / LATEST} names {folder.name}, which is not a complete checkpoint (no {STATE_FILE}); "
                 f"point it at another step folder in {self.root} or remove it to start afresh"
             )
         steps = {int(m[1]): f for f in self.root.iterdir() if (m := _STEP_DIR.match(f.name)) and f.is_dir()}
