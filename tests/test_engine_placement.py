@@ -23,11 +23,20 @@ from megarl.rollout.config import RolloutConfig, SGLangEngineConfig
 from megarl.rollout.sglang_engine import SGLangEngine, visible_device_index
 from megarl.rollout.sglang_server import SGLangServer
 from megarl.rollout.sglang_weights import send_flattened_bucket
+from megarl.runtime import cpu_compat
 from megarl.testing.cluster_workers import ToyWorker
 from megarl.trainer.lifecycle.roles import NOSET_CUDA_VISIBLE_DEVICES, assign_engine_gpus
 from megarl.workers.rollout_worker import RolloutWorker, build_engine
 
 FAST = GroupTimeouts(init_s=120.0, call_s=60.0, failure_grace_s=2.0)
+
+
+@pytest.fixture(autouse=True)
+def real_cuda_devices():
+    """An earlier in-process Megatron test may have left the CPU-compat mode on (it maps `torch.device("cuda", i)`
+    to the CPU for the life of the process); these tests compare CUDA devices as a rollout worker sees them."""
+    with cpu_compat.paused():
+        yield
 
 
 def two_nodes(gpus_per_node: int) -> list[BundleGPUs]:
