@@ -20,6 +20,7 @@ from megarl.cluster import (
     WorkerError,
     WorkerGroup,
     WorkerTimeoutError,
+    start_groups,
     start_ray,
     stop_ray,
 )
@@ -168,6 +169,24 @@ def test_worker_raising_in_init_names_role_rank_and_traceback(fault_pool):
     assert "--- reward rank 1 (raised) ---" in message
     assert "cluster_workers.py" in message and "RuntimeError: toy worker reward rank 1 refuses to start" in message
     assert caught.value.ranks == [1]
+
+
+def test_groups_started_side_by_side_each_form_their_world_or_all_stop(fault_pool):
+    """start_groups (how the trainer starts its roles): every group's workers start together; a group that fails
+    to start takes the others down with it and frees the pool."""
+    ref, critic = (WorkerGroup(ToyWorker, fault_pool, role, num_gpus_per_worker=0.5, start=False) for role in "ab")
+    start_groups([ref, critic])
+    assert ref.healthy and critic.healthy
+    assert ref.call("all_reduce_sum", 1.0) == critic.call("all_reduce_sum", 1.0) == [2.0, 2.0]
+    ref.shutdown()
+    critic.shutdown()
+    good = WorkerGroup(ToyWorker, fault_pool, "ref", num_gpus_per_worker=0.5, start=False, timeouts=FAST)
+    init = {"fail_in_init_on_rank": 0}
+    bad = WorkerGroup(ToyWorker, fault_pool, "critic", num_gpus_per_worker=0.5, init_kwargs=init, start=False)
+    with pytest.raises(WorkerError, match=r"critic start-up \(__init__\) failed: rank 0 raised"):
+        start_groups([good, bad])
+    assert not good.healthy and not bad.healthy
+    assert wait_for(lambda: bundle_gpu_free(fault_pool) == [1.0, 1.0])  # both shares are free again
 
 
 def test_rank_raising_while_others_wait_in_a_collective_ends_within_the_grace(fault_pool):

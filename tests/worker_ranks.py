@@ -176,13 +176,15 @@ def reward_model_step(
 
 
 def train_and_save(path: str, layout, batch: Batch, loss_weights: torch.Tensor, folder: str, steps: int = 1):
-    """Take `steps` PPO steps, save the role checkpoint; (losses per step)."""
+    """Take `steps` PPO steps, save the role checkpoint; (losses per step, the helper processes left running)."""
+    import multiprocessing
+
     from megarl.workers.role_checkpoint import save_role
 
     model, part, loss_fn = _trainable_actor(path, layout, batch, loss_weights)
     losses = [_ppo_step(model, part, loss_fn)["loss"] for _ in range(steps)]
     save_role(model, folder)
-    return losses
+    return losses, [child.name for child in multiprocessing.active_children()]
 
 
 def resume_and_train(path: str, layout, batch: Batch, loss_weights: torch.Tensor, folder: str, save_to: str = ""):

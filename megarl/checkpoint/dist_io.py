@@ -22,10 +22,24 @@ def model_sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict:
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
+def in_process_write_results() -> None:
+    """Megatron's checkpoint writer hands its write results over a queue served by a `multiprocessing.Manager`
+    process, started with the spawn method on a process's first save: a fresh interpreter that imports the caller's
+    main module (a Ray worker's), 5-10 s on a loaded machine. That queue is for asynchronous saves, finished in
+    another process; megarl saves synchronously, in the process that reads the results, so a plain queue does."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_model_weights(chunks: Sequence[torch.nn.Module], folder: str | Path) -> None:
     """Collective over all ranks: write the chunks' weights into an empty `folder`."""
     from megatron.core import dist_checkpointing
 
+    in_process_write_results()
     Path(folder).mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(model_sharded_state_dict(chunks), str(folder))
 

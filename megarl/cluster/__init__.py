@@ -25,6 +25,7 @@ _EXPORTS = {
     "WorkerInfo": "megarl.cluster.worker",
     "WorkerGroup": "megarl.cluster.worker_group",
     "PendingCall": "megarl.cluster.worker_group",
+    "start_groups": "megarl.cluster.worker_group",
     "WorkerError": "megarl.cluster.errors",
     "WorkerTimeoutError": "megarl.cluster.errors",
     "RankFailure": "megarl.cluster.errors",
@@ -47,6 +48,7 @@ __all__ = [
     "WorkerGroup",
     "WorkerInfo",
     "WorkerTimeoutError",
+    "start_groups",
     "start_ray",
     "stop_ray",
 ]
@@ -58,7 +60,7 @@ if TYPE_CHECKING:
     from megarl.cluster.ray_runtime import NodeInfo, RayInfo, start_ray, stop_ray
     from megarl.cluster.resource_pool import ResourcePool
     from megarl.cluster.worker import ParallelInfo, Worker, WorkerInfo
-    from megarl.cluster.worker_group import PendingCall, WorkerGroup
+    from megarl.cluster.worker_group import PendingCall, WorkerGroup, start_groups
 
 
 def __getattr__(name: str) -> Any:

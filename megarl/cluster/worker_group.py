@@ -19,7 +19,7 @@ import contextlib
 import math
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -93,7 +93,9 @@ class WorkerGroup:
         timeouts: GroupTimeouts | None = None,
         max_concurrency: int | None = None,
         bundle_stride: int = 1,
+        start: bool = True,
     ):
+        """`start=False`: the workers start later, with `start_groups` (several groups side by side)."""
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
             raise TypeError(f"{role}: worker_cls must be a subclass of megarl.cluster.Worker, not {worker_cls!r}")
         if not 0 < num_gpus_per_worker <= 1:
@@ -130,7 +132,8 @@ class WorkerGroup:
         self._down_reason = "not started"
         self._generation = 0
         weakref.finalize(self, pool.release, id(self))  # a group dropped without shutdown() frees its share too
-        self._start()
+        if start:
+            self._start()
 
     # -- life cycle ----------------------------------------------------------------------------------------------
 
@@ -165,6 +168,11 @@ class WorkerGroup:
         return [rank * self.bundle_stride for rank in range(self.world_size)]
 
     def _start(self) -> None:
+        self._launch()
+        self._join()
+
+    def _launch(self) -> None:
+        """Reserve the group's bundles and create its workers: their processes start in the background."""
         self._generation += 1
         self._parallel = None
         label = f"role {self.role}"
@@ -174,6 +182,13 @@ class WorkerGroup:
         self.pool.reserve(id(self), label, num_bundles, self.num_gpus_per_worker, self.num_cpus_per_worker)
         try:
             self.workers = self._build_workers()
+        except BaseException:
+            self._kill("start-up failed")
+            raise
+
+    def _join(self) -> None:
+        """Wait for every worker's `__init__`, then form the group's process group."""
+        try:
             self.worker_info = self._build_process_group()
         except BaseException:
             self._kill("start-up failed")
@@ -354,6 +369,21 @@ class WorkerGroup:
         notes.append("The group was shut down: call restart() or build a new one.")
         note = " ".join(notes)
         raise error_cls(self.role, what, failures, note)
+
+
+def start_groups(groups: Sequence[WorkerGroup]) -> None:
+    """Start groups built with `start=False` side by side: every group's workers are created before any is waited
+    for, so their processes start (Ray's worker start-up, the imports of `__init__`) together rather than one group
+    after another. If one group fails to start, every group is shut down and the error raised."""
+    try:
+        for group in groups:
+            group._launch()
+        for group in groups:
+            group._join()
+    except BaseException:
+        for group in groups:
+            group.shutdown()
+        raise
 
 
 def _rank_failure(rank: int, err: Exception) -> RankFailure:

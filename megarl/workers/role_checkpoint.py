@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megarl.checkpoint.dist_io import model_sharded_state_dict
+from megarl.checkpoint.dist_io import in_process_write_results, model_sharded_state_dict
 from megarl.checkpoint.model_dir import ModelCheckpointInfo
 from megarl.checkpoint.model_io import save_model
 from megarl.workers.role_model import RoleModel
@@ -55,6 +55,7 @@ def _check_finite(model: RoleModel) -> None:
 
 
 def _save_state(model: RoleModel, tmp: Path, dist_checkpointing) -> None:
+    in_process_write_results()
     if model.optimizer is not None:
         sharded = model.optimizer.sharded_state_dict(model_sharded_state_dict(model.loaded.chunks))
         (tmp / OPTIMIZER_DIR).mkdir(exist_ok=True)

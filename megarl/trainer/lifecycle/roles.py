@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from megarl.cluster.config import ClusterConfig
 from megarl.cluster.resource_pool import BundleGPUs, ResourcePool
-from megarl.cluster.worker_group import WorkerGroup
+from megarl.cluster.worker_group import WorkerGroup, start_groups
 from megarl.errors import UserError
 from megarl.workers.engine_nodes import NOSET_CUDA_VISIBLE_DEVICES, EngineNodeSlot
 from megarl.workers.hybrid_worker import EngineView, HybridActorWorker
@@ -168,7 +168,9 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
 
     def group(role: str) -> WorkerGroup:
         worker_cls = HybridActorWorker if hybrid and role == "actor" else MegatronWorker
-        return WorkerGroup(worker_cls, train_pool, role, num_gpus_per_worker=share, env=env, timeouts=timeouts)
+        return WorkerGroup(
+            worker_cls, train_pool, role, num_gpus_per_worker=share, env=env, timeouts=timeouts, start=False
+        )
 
     gpus_per_engine = config.rollout.gpus_per_engine
     engine_gpu_ids, engine_nodes, rollout_env = None, None, env
@@ -194,7 +196,9 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
             env=rollout_env,
             timeouts=timeouts,
             bundle_stride=gpus_per_engine,
+            start=False,
         )
+    start_groups([*groups.values(), *([] if hybrid else [rollout])])
     roles = Roles(
         actor=groups["actor"],
         rollout=rollout,
