@@ -12,6 +12,8 @@ import signal
 import pytest
 from job_helpers import FIXTURES, megarl_train, metrics, write_config
 
+from megarl.trainer.observability.metrics import read_metrics
+
 
 @pytest.fixture(scope="module")
 def grpo_run(tmp_path_factory):
@@ -29,6 +31,9 @@ def test_grpo_raises_the_reward_and_writes_the_run_folder(grpo_run):
     first, last = steps[0]["reward/mean"], sum(s["reward/mean"] for s in steps[-2:]) / 2
     assert last > first + 0.2, [s["reward/mean"] for s in steps]
     assert all(s["mismatch/abs_logprob_diff_max"] < 1e-4 for s in steps)  # engine and actor agree after every sync
+    # the first sync's probe: 4 prompts x 8 greedy tokens scored alike by engine and actor (sync_probe.py)
+    start = next(r for r in read_metrics(run) if r["step"] == 0 and "sync/probe_gap_max" in r)
+    assert start["sync/probe_gap_max"] < 1e-6 and start["sync/probe_tokens"] == 32
     assert (run / "config.yaml").is_file() and list((run / "tensorboard").iterdir())
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     assert (latest / "actor" / "model" / "metadata.json").is_file()
@@ -112,8 +117,12 @@ PLAIN_STEP = [  # a step with no checkpoint: generate, hand the GPUs back, log-p
 def test_the_colocated_handover_runs_in_order_and_changes_no_number(grpo_run, tmp_path):
     records = handover_records(grpo_run)
     assert sorted(records) == list(range(1, 9))
-    # before step 1: both hold their models; the first sync hands the GPUs to the engines
-    assert records[1] == ["actor.offload(False, True, True)", "sync", "actor.offload(True, True, True)", *PLAIN_STEP]
+    # before step 1: both hold their models; the first sync hands the GPUs to the engines; its probe (the engines
+    # generate, the actor scores: rollout/sync_probe.py) takes them back to the actor, the eval gives them to the
+    # engines again, with the same weights
+    first_sync = ["actor.offload(False, True, True)", "sync", "actor.offload(True, True, True)"]
+    probe = ["rollout.release_memory(weights,kv_cache)", "actor.onload"]
+    assert records[1] == [*first_sync, *probe, *PLAIN_STEP[2:], *PLAIN_STEP]
     assert all(records[step] == PLAIN_STEP for step in range(2, 9))
     split = tmp_path / "split"
     split.mkdir()

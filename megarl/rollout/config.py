@@ -214,6 +214,29 @@ class SGLangEngineConfig:
 
 
 @dataclass
+class SyncProbeConfig:
+    """The behavioural check of a weight sync (megarl/trainer/rollout_side/sync_probe.py): after the syncs that
+    rollout.verify_sync verifies, every engine generates greedily from the first `prompts` training prompts and the
+    actor scores the same tokens; a mean log-prob gap over the tolerance stops the run naming the engine."""
+
+    prompts: int = 4
+    """Probe prompts (the first of the training data); 0 turns the probe off."""
+    max_new_tokens: int = 8
+    """Tokens each engine generates per probe prompt."""
+    tolerance: float | None = None
+    """Largest mean |log-prob gap| per engine; null: by the coarser of the trainer's and the engines' weights (fp32
+    1e-4, fp16 0.05, bf16 0.1, fp8 0.25)."""
+
+    def check(self, key: str) -> None:
+        if self.prompts < 0:
+            raise UserError(f"{key}.prompts={self.prompts} must be >= 0 (0 turns the probe off)")
+        if self.max_new_tokens < 1:
+            raise UserError(f"{key}.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.tolerance is not None and self.tolerance <= 0:
+            raise UserError(f"{key}.tolerance={self.tolerance} must be > 0 or null (by the engines' dtype)")
+
+
+@dataclass
 class RolloutConfig:
     backend: Literal["hf", "sglang"] = "hf"
     """Rollout engine: `hf` (embedded transformers, CPU) or `sglang` (GPU clusters)."""
@@ -249,8 +272,10 @@ class RolloutConfig:
     on for MoE models; `off`: not recorded (no replay from the rollout, no agreement metric)."""
     verify_sync: Literal["first", "every", "never"] = "first"
     """Check that the engine holds the weights just sent (SGLang: checksums of a sample of tensors through its
-    weights checker; a mismatch stops the run naming the tensor): after the first sync, after every sync, or
-    never."""
+    weights checker; a mismatch stops the run naming the tensor), and that it behaves like the trainer
+    (`sync_probe`): after the first sync, after every sync (the synchronous loop; the asynchronous one probes its
+    first), or never."""
+    sync_probe: SyncProbeConfig = field(default_factory=SyncProbeConfig)
 
     def sync_delta(self, transport: str) -> bool:
         """Whether syncs after the first send deltas (weight_sync_delta resolved for the road `transport`)."""

@@ -10,8 +10,9 @@ is a comma-separated list of `action:point[:count]`:
 
 Actions: `sigkill` (SIGKILL this process: nothing is flushed or cleaned up), any other signal by name (`sigterm`,
 `sigusr1`, `sigint`: sent to this process, which handles it as it would one from outside, at an exact point),
-`exit` (os._exit(1)), `raise` (RuntimeError), `nan` (the point's caller makes its value non-finite). Points are
-named where `hit` is called.
+`exit` (os._exit(1)), `raise` (RuntimeError), `nan` (the point's caller makes its value non-finite), and the weight
+tampering of `tamper` (`swap_layers`, `corrupt_expert`: a sync that sends wrong weights whose norms are right, for
+the sync probe's tests). Points are named where `hit` or `tamper` is called.
 
 Counts are per process. With MEGARL_FAULTS_ONCE=DIR a fault fires once per DIR across processes and restarts (a
 marker file records it): a run that restarts its workers after the fault does not meet it again.
@@ -20,6 +21,7 @@ marker file records it): a run that restarts its workers after the fault does no
 from __future__ import annotations
 
 import os
+import re
 import signal
 from collections import Counter
 
@@ -63,4 +65,36 @@ def hit(point: str) -> bool:
         os._exit(1)
     if action == "raise":
         raise RuntimeError(f"fault injected at {point} (pass {count})")
-    return action == "nan"
+    return action == "nan" or action in TAMPERS
+
+
+def tamper(point: str, bucket: list) -> list:
+    """A weight bucket ([(HF name, tensor)]) as sent, or spoiled by a `swap_layers` / `corrupt_expert` fault set
+    for this pass through `point`."""
+    if ENV not in os.environ:
+        return bucket
+    fault = _spec().get(point)
+    if fault is None or fault[0] not in TAMPERS or not hit(point):
+        return bucket
+    return TAMPERS[fault[0]](bucket)
+
+
+_LAYER_MLP = re.compile(r"\.layers\.([01])\.mlp\.")
+
+
+def _swap_layers(bucket: list) -> list:
+    """Layers 0 and 1 trade their MLP weights (their norms, which a sync's checksums sample, stay in place)."""
+    by_name = dict(bucket)
+
+    def other(name: str) -> str:
+        return _LAYER_MLP.sub(lambda m: f".layers.{1 - int(m.group(1))}.mlp.", name)
+
+    return [(name, by_name.get(other(name), tensor)) for name, tensor in bucket]
+
+
+def _corrupt_expert(bucket: list) -> list:
+    """Routed expert 0 of every MoE layer in the wrong layout: its weights' rows in reverse order."""
+    return [(name, tensor.flip(0) if ".experts.0." in name else tensor) for name, tensor in bucket]
+
+
+TAMPERS = {"swap_layers": _swap_layers, "corrupt_expert": _corrupt_expert}

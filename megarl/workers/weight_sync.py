@@ -38,6 +38,7 @@ from megarl.bridge.exporter import export_hf_weights
 from megarl.bridge.fp8 import BlockFP8, quantize_bucket
 from megarl.checkpoint.model_io import LoadedModel
 from megarl.rollout.engine import VERIFY_PATTERN, Bucket
+from megarl.runtime import faults
 from megarl.workers.bucket_transport import device_uuid, pack_bucket, pack_bucket_ipc
 from megarl.workers.ipc_relay import relay_weights
 from megarl.workers.sync_route import SyncRoute
@@ -91,6 +92,7 @@ def send_weights(
     try:
         with torch.no_grad():
             for bucket in export_hf_weights(model.bridge, model.hf_dtypes, bucket_bytes):
+                bucket = faults.tamper("sync.bucket", bucket)  # tests of the sync probe only
                 if fp8 is not None:
                     bucket = quantize_bucket(bucket, fp8)
                 full_bytes += sum(t.nbytes for _, t in bucket)

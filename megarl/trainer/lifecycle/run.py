@@ -215,6 +215,7 @@ def _start(
     from megarl.trainer.observability.progress import RunProgress
     from megarl.trainer.rollout_side.agent_rollout import rollout_generator
     from megarl.trainer.rollout_side.engine_sync import WeightSync
+    from megarl.trainer.rollout_side.sync_probe import build_probe
 
     restore_positions(data, state)
     stack.enter_context(_single_threaded_torch())
@@ -243,6 +244,7 @@ def _start(
     quantization = rollout_quantization(config.rollout, config.model.path)
     transport = config.weight_sync_transport()
     sync = WeightSync(roles, state, config.rollout, transport, quantization, disk_root=run_dir / "weight_sync")
+    sync.probe = build_probe(config, data.prompts, tokenizer, quantization)
     on_gpus = roles.on_gpus()
     hand_over = on_gpus or config.placement.handover == "always"
     handover = Handover(roles, config.placement.offload, lambda: sync(new_version=False), enabled=hand_over)

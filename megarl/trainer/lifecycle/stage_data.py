@@ -126,6 +126,7 @@ def _prepare_rl(run: RunParts) -> None:
         run.roles.ref.call("load_checkpoint", str(latest / "actor"), False)
     # a resumed stage's engines restarted: they get the weights again, at the version they already have
     metrics = run.handover.to_rollout(lambda: run.sync(new_version=state.step == 0))
+    metrics.update(run.sync.run_probe(run.handover))  # the engines behave like the actor, or the run stops
     if state.step == 0 and state.stage_index == 0 and run.config.rl.eval_at_start:
         if steps.evaluator is not None:
             with steps.phase("eval"):

@@ -68,6 +68,7 @@ def run_rl(
             )
         with steps.phase("sync"):
             metrics.update(handover.to_rollout(sync))  # colocated: the engines take the GPUs back
+            metrics.update(sync.run_probe(handover))  # after a verified sync (rollout.verify_sync=every)
         steps.end(metrics, rl.num_steps, samplers, batch, rl.eval_every, num_tokens)
 
 

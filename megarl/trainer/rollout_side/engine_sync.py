@@ -21,6 +21,8 @@ from megarl.trainer.lifecycle.run_checkpoint import TrainerState
 
 if TYPE_CHECKING:
     from megarl.cluster.worker_group import PendingCall
+    from megarl.trainer.lifecycle.handover import Handover
+    from megarl.trainer.rollout_side.sync_probe import SyncProbe
 
 log = logging.getLogger("megarl")
 
@@ -59,6 +61,10 @@ class WeightSync:
         or released their weights (`sync(new_version=False)`)."""
         self._started: tuple[int, bool, PendingCall] | None = None
         """A hybrid sync submitted ahead (`start`): its version, whether it keeps samples, the call."""
+        self.probe: SyncProbe | None = None
+        """The behavioural check (sync_probe.py), set by the run when it has training prompts."""
+        self._probe_due: int | None = None
+        """The version of the last verified sync, until the probe has run after it."""
 
     def start(self) -> None:
         """A hybrid engine's next sync (a new version), submitted now: Ray runs an actor's calls in order, so the
@@ -103,6 +109,7 @@ class WeightSync:
         verified = 0
         if check:
             verified = self._verify([item for s in sent for item in s["samples"]], version)
+            self._probe_due = version
         self.state.weight_version = version
         return {
             "sync/bytes": sum(s["bytes"] for s in sent),
@@ -115,6 +122,14 @@ class WeightSync:
             "sync/in_process_engines": max(s["in_process_engines"] for s in sent),
             "sync/verified_tensors": float(verified),
         }
+
+    def run_probe(self, handover: Handover) -> dict[str, float]:
+        """The behavioural check after a verified sync, once (sync_probe.py): the engines generate, the actor
+        scores; RunFailure naming the engine when they disagree. {} when none is due."""
+        if self.probe is None or self._probe_due is None:
+            return {}
+        version, self._probe_due = self._probe_due, None
+        return self.probe(self.roles, handover, version)
 
     def _keeps_samples(self) -> bool:
         """Whether this sync is verified (the senders keep the sampled norm weights for it)."""
