@@ -58,6 +58,12 @@ def _add_convert(commands) -> None:
     )
     convert.add_argument("--max-shard-size", default="5GB", help="largest HF safetensors file written (--to hf)")
     convert.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    convert.add_argument(
+        "--verify",
+        action="store_true",
+        help="--to mcore: load what was written at its layout (one process per rank, CPU) and compare its logits "
+        "with the HF model's on fixed sequences; fail above the tolerance (both models in fp32 host memory)",
+    )
     convert.add_argument("--no-progress", action="store_true", help="no progress bar")
     convert.set_defaults(run=_run_convert)
 
@@ -87,12 +93,20 @@ def _run_convert(args: argparse.Namespace) -> int:
         report = convert_hf_to_mcore(
             args.src, args.dst, parallel, dtype, args.vocab_multiple, args.overwrite, not args.no_progress
         )
+        print(f"wrote {report.destination}: {_written(report)}")
+        if args.verify:  # after the line above: the checkpoint stays written even when it fails the check
+            from megarl.conversion.verify_parity import verify_conversion
+
+            print(f"verified: {verify_conversion(args.src, args.dst, parallel).describe(parallel)}")
+        return 0
     elif direction == ("mcore", "hf"):
         from megarl.conversion.mcore_to_hf import convert_mcore_to_hf
 
         layout = (args.tp, args.pp, args.vpp, args.ep, args.etp, args.pp_first_stage_layers, args.pp_last_stage_layers)
         if layout != (1, 1, 1, 1, None, None, None):
             print("megarl: note: layout flags (--tp, --pp, ...) have no effect with --to hf", file=sys.stderr)
+        if args.verify:
+            print("megarl: note: --verify has no effect with --to hf (it checks --to mcore)", file=sys.stderr)
         max_shard = parse_size(args.max_shard_size, "--max-shard-size")
         report = convert_mcore_to_hf(
             args.src, args.dst, dtype, max_shard, overwrite=args.overwrite, show_progress=not args.no_progress
@@ -102,10 +116,12 @@ def _run_convert(args: argparse.Namespace) -> int:
             f"--from {args.src_format} --to {args.dst_format} is not a conversion; valid: "
             "--from hf --to mcore, --from mcore --to hf"
         )
-    print(
-        f"wrote {report.destination}: {report.tensors} tensors, {report.bytes / 1e9:.3f} GB in {report.seconds:.1f} s"
-    )
+    print(f"wrote {report.destination}: {_written(report)}")
     return 0
+
+
+def _written(report) -> str:
+    return f"{report.tensors} tensors, {report.bytes / 1e9:.3f} GB in {report.seconds:.1f} s"
 
 
 def _add_job_arguments(parser: argparse.ArgumentParser) -> None:

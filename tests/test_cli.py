@@ -201,16 +201,61 @@ def test_the_converters_scripts_run_the_convert_command(src, tmp_path, script, e
     assert expected in out.stderr and "Traceback" not in out.stderr
 
 
+def verified(stdout: str) -> tuple[float, float]:
+    """(largest |logit difference|, top-1 agreement %) from `megarl convert --verify`'s report line."""
+    import re
+
+    line = next(line for line in stdout.splitlines() if line.startswith("verified: "))
+    found = re.search(r"difference\| (\S+) \(tolerance 0.001\), top-1 agreement (\S+)% over 64 tokens", line)
+    assert found, line
+    return float(found.group(1)), float(found.group(2))
+
+
 def test_console_script_round_trip_with_overwrite(hf_checkpoint, tmp_path):
+    """A bf16 checkpoint to Megatron at TP=2, verified against transformers (--verify), and back bit for bit."""
     src = hf_checkpoint("tiny-qwen2", torch.bfloat16)
     mcore, back = tmp_path / "mcore", tmp_path / "back"
-    out = megarl("convert", "--from", "hf", "--to", "mcore", str(src), str(mcore), "--tp", "2", "--no-progress")
+    out = megarl(
+        "convert", "--from", "hf", "--to", "mcore", str(src), str(mcore), "--tp", "2", "--no-progress", "--verify"
+    )
     assert f"wrote {mcore}" in out.stdout
+    diff, top1 = verified(out.stdout)
+    assert diff < 1e-4 and top1 == 100.0 and "Megatron at tp=2 pp=1 vpp=1 on 2 ranks" in out.stdout
     back.mkdir()
     megarl("convert", "--from", "mcore", "--to", "hf", str(mcore), str(back), "--overwrite", "--max-shard-size", "50KB")
     original, converted = HFCheckpoint(src), HFCheckpoint(back)
     assert sorted(original.names) == sorted(converted.names)
     assert all(torch.equal(original.get(n), converted.get(n)) for n in original.names)
+
+
+@pytest.mark.parametrize(
+    "name, layout, ranks",
+    [
+        ("tiny-llama", ["--pp", "2", "--pp-first-stage-layers", "1"], 2),  # uneven stages
+        ("tiny-qwen3-moe", ["--ep", "2"], 2),
+    ],
+    ids=["dense-pp2-uneven", "moe-ep2"],
+)
+def test_convert_verify_checks_the_written_layout_against_transformers(hf_checkpoint, tmp_path, name, layout, ranks):
+    src, dst = hf_checkpoint(name), tmp_path / "mcore"
+    out = megarl("convert", "--from", "hf", "--to", "mcore", str(src), str(dst), *layout, "--no-progress", "--verify")
+    diff, top1 = verified(out.stdout)
+    assert diff < 1e-4 and top1 == 100.0 and f"on {ranks} ranks" in out.stdout
+
+
+def test_convert_verify_fails_when_the_checkpoint_is_not_the_models(hf_checkpoint, tmp_path):
+    """What --verify reports for a checkpoint that does not reproduce its HF model: here the HF folder's weights are
+    swapped for another model's of the same shapes after the conversion, so the comparison must fail."""
+    from megarl.conversion.verify_parity import verify_conversion
+    from megarl.errors import RunFailure
+    from megarl.testing.tiny_checkpoint import make_hf_checkpoint
+
+    src = make_hf_checkpoint("tiny-llama", tmp_path / "hf")
+    megarl("convert", "--from", "hf", "--to", "mcore", str(src), str(tmp_path / "mcore"), "--no-progress")
+    make_hf_checkpoint("tiny-llama", tmp_path / "other", seed=1)
+    shutil.copy(tmp_path / "other" / "model.safetensors", src / "model.safetensors")
+    with pytest.raises(RunFailure, match=r"--verify: the Megatron checkpoint .*mcore does not reproduce the HF model"):
+        verify_conversion(src, tmp_path / "mcore", ParallelConfig())
 
 
 def test_debug_flag_shows_the_traceback(tmp_path):

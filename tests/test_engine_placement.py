@@ -186,6 +186,15 @@ class FakeGroup:
         self.calls.append((method, args, kwargs))
         return types.SimpleNamespace(result=lambda: None)
 
+    def _launch(self):  # start_groups: built with start=False, the workers start side by side
+        assert self.kwargs["start"] is False
+
+    def _join(self):
+        pass
+
+    def shutdown(self):
+        pass
+
 
 def start_fake_roles(monkeypatch, tmp_path, gpus_per_engine: int):
     from megarl.config.loader import load_config

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 from megarl.errors import UserError
+from megarl.runtime.cache import cache_dir
 
 LAYERS_CHECKED = 4
 """Decoder layers whose tensors are compared with config.json (enough for dense and MoE layers of every model
@@ -59,13 +60,6 @@ def check_hf_weights(folder: str | Path, hf_config) -> int:
         compared += 1
     _remember(passed, str(compared))
     return compared
-
-
-def cache_dir() -> Path:
-    """Where megarl remembers checks that passed: MEGARL_CACHE_DIR, else $XDG_CACHE_HOME/megarl (~/.cache/megarl)."""
-    if os.environ.get("MEGARL_CACHE_DIR"):
-        return Path(os.environ["MEGARL_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megarl"
 
 
 def _passed_before(checkpoint, hf_config) -> Path:

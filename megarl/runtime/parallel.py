@@ -8,6 +8,7 @@ not on construction: the config loader builds it first and then calls `check` wi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megarl.errors import UserError
@@ -68,6 +69,13 @@ class ParallelConfig:
     def model_parallel_size(self) -> int:
         """Ranks that hold one full copy of the model (data parallelism multiplies this)."""
         return self.tp * self.pp * self.cp
+
+    @property
+    def min_world_size(self) -> int:
+        """The fewest ranks that run this layout: each pipeline stage holds one full dense copy (tp x cp ranks) and
+        one full grid of experts (etp x ep ranks)."""
+        etp = self.etp if self.etp is not None else self.tp
+        return self.pp * math.lcm(self.tp * self.cp, etp * self.ep)
 
     @property
     def vpp_or_none(self) -> int | None:
