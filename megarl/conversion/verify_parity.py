@@ -78,7 +78,9 @@ def verify_conversion(hf_dir: str | Path, mcore_dir: str | Path, parallel: Paral
 
 def _hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a bar for loading a model the report line does not mention
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         return model(ids).logits
