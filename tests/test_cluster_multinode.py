@@ -38,9 +38,10 @@ def test_per_node_pool_keeps_each_nodes_bundles_together(two_gpu_nodes):
 
 @pytest.mark.slow  # about 10 s: two more worker processes
 def test_group_spans_nodes_in_one_world(two_gpu_nodes):
-    with ResourcePool("critic", num_nodes=2, gpus_per_node=1) as pool:
+    # whole nodes, one worker on each (bundles 0 and 2): two 1-GPU placement groups could share a 2-GPU node
+    with ResourcePool("critic", num_nodes=2, gpus_per_node=2) as pool:
         timeouts = GroupTimeouts(init_s=120, failure_grace_s=2)
-        with WorkerGroup(ToyWorker, pool, "critic", timeouts=timeouts) as group:
+        with WorkerGroup(ToyWorker, pool, "critic", timeouts=timeouts, bundle_stride=2) as group:
             assert group.call("all_reduce_sum", 1.0) == [2.0, 2.0]  # one gloo world over both nodes
             places = group.call("placement")
             assert [p["env"]["LOCAL_RANK"] for p in places] == ["0", "0"]

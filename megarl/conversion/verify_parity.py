@@ -59,7 +59,7 @@ def verify_conversion(hf_dir: str | Path, mcore_dir: str | Path, parallel: Paral
     ids = fixed_token_ids(load_hf_config(hf_dir).vocab_size)
     expected = _hf_logits(Path(hf_dir), ids)
     ranks = parallel.min_world_size
-    with RankPool(ranks) as pool:
+    with RankPool(ranks, timeout_s=3600) as pool:  # a 7B model in fp32 on CPU takes minutes
         answers = [a for a in pool.run(_megatron_logits, str(mcore_dir), parallel, ids) if a is not None]
     logits = answers[0]
     report = ParityReport(

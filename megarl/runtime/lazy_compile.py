@@ -11,11 +11,10 @@ changes: the hook touches only the attribute of `megatron.core.jit` right after 
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
-import sys
 from collections.abc import Callable
 from typing import Any
+
+from megarl.runtime.import_hook import after_import
 
 TARGET = "megatron.core.jit"
 
@@ -41,33 +40,13 @@ def lazy(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
     return decorate
 
 
-class _Loader(importlib.abc.Loader):
-    def __init__(self, loader: importlib.abc.Loader):
-        self.loader = loader
+def _make_lazy(module) -> None:
+    import torch
 
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        import torch
-
-        if getattr(module, "jit_fuser", None) is torch.compile:
-            module.jit_fuser = lazy(torch.compile)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != TARGET:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _Loader(spec.loader)
-        return spec
+    if getattr(module, "jit_fuser", None) is torch.compile:
+        module.jit_fuser = lazy(torch.compile)
 
 
 def install() -> None:
     """Put the hook in front of the import system, once; a no-op when Megatron's jit module is already loaded."""
-    if TARGET in sys.modules or any(isinstance(finder, _Finder) for finder in sys.meta_path):
-        return
-    sys.meta_path.insert(0, _Finder())
+    after_import(TARGET, _make_lazy)

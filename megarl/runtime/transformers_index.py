@@ -13,14 +13,13 @@ The index is a pure function of the installed files; the hook touches nothing el
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import os
 import pickle
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from megarl.runtime.import_hook import after_import
 
 TARGET = "transformers.utils.import_utils"
 
@@ -85,35 +84,14 @@ def _cache_file(version: str) -> Path:
     return cache_dir() / f"transformers-index-{version}.pkl"
 
 
-class _Loader(importlib.abc.Loader):
-    def __init__(self, loader: importlib.abc.Loader):
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        define = getattr(module, "define_import_structure", None)
-        if define is not None:
-            module.define_import_structure = _Index(module).wrap(define)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != TARGET:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _Loader(spec.loader)
-        return spec
+def _cache_index(module) -> None:
+    define = getattr(module, "define_import_structure", None)
+    if define is not None:
+        module.define_import_structure = _Index(module).wrap(define)
 
 
 def install() -> None:
     """Put the hook in front of the import system, once; a no-op when transformers is already loaded or when
     MEGARL_NO_TRANSFORMERS_INDEX is set."""
-    if os.environ.get("MEGARL_NO_TRANSFORMERS_INDEX") or TARGET in sys.modules:
-        return
-    if any(isinstance(finder, _Finder) for finder in sys.meta_path):
-        return
-    sys.meta_path.insert(0, _Finder())
+    if not os.environ.get("MEGARL_NO_TRANSFORMERS_INDEX"):
+        after_import(TARGET, _cache_index)
