@@ -54,16 +54,11 @@ def _is_reporting_rank() -> bool:
 
 
 def megatron_logits(path: str, layout: tuple[int, int, int], input_ids: torch.Tensor):
-    """Load `path` (HF or megarl checkpoint) at `layout` in fp32; full logits from one last-stage rank."""
-    from megarl.checkpoint.model_io import load_model
-    from megarl.runtime.distributed import init_model_parallel
-    from megarl.runtime.pipeline import forward_logits
+    """Load `path` (HF or megarl checkpoint) at `layout` in fp32; full logits from one last-stage rank (what
+    `megarl convert --verify` compares)."""
+    from megarl.conversion.verify_parity import megatron_logits
 
-    parallel = as_parallel(layout)
-    init_model_parallel(parallel)
-    model = load_model(path, parallel, torch.float32)
-    logits = forward_logits(model.chunks, input_ids, model.vocab.size)
-    return logits if logits is not None and _is_reporting_rank() else None
+    return megatron_logits(path, as_parallel(layout), input_ids)
 
 
 def exported_weights(path: str, layout: tuple[int, int, int], bucket_bytes: int, dtype: str = "float32"):

@@ -60,7 +60,7 @@ def verify_conversion(hf_dir: str | Path, mcore_dir: str | Path, parallel: Paral
     expected = _hf_logits(Path(hf_dir), ids)
     ranks = parallel.min_world_size
     with RankPool(ranks, timeout_s=3600) as pool:  # a 7B model in fp32 on CPU takes minutes
-        answers = [a for a in pool.run(_megatron_logits, str(mcore_dir), parallel, ids) if a is not None]
+        answers = [a for a in pool.run(megatron_logits, str(mcore_dir), parallel, ids) if a is not None]
     logits = answers[0]
     report = ParityReport(
         max_logit_diff=(logits - expected).abs().max().item(),
@@ -86,8 +86,9 @@ def _hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-def _megatron_logits(path: str, parallel: ParallelConfig, ids: torch.Tensor) -> torch.Tensor | None:
-    """Rank side: full logits from the first TP rank of the last stage's first data-parallel replica."""
+def megatron_logits(path: str, parallel: ParallelConfig, ids: torch.Tensor) -> torch.Tensor | None:
+    """Rank side: load `path` (HF or megarl checkpoint) at `parallel` in fp32; full logits from the first TP rank of
+    the last stage's first data-parallel replica, None on every other rank."""
     from megatron.core import parallel_state as ps
 
     from megarl.checkpoint.model_io import load_model
