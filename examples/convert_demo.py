@@ -31,9 +31,9 @@ def megatron_logits(path: str, layout: dict, input_ids: torch.Tensor):
     from megatron.core import parallel_state as ps
 
     from megarl.checkpoint.model_io import load_model
+    from megarl.models.pipeline import forward_logits
     from megarl.runtime.distributed import init_model_parallel
     from megarl.runtime.parallel import ParallelConfig
-    from megarl.runtime.pipeline import forward_logits
 
     parallel = ParallelConfig(**layout)
     init_model_parallel(parallel)

@@ -42,10 +42,18 @@ class RunConfig:
     max_restarts: int = 1
     """When a worker process dies or a worker call fails mid-run, restart every role from the last checkpoint up
     to this many times before giving up (0 = stop at the first failure)."""
+    phase_timeouts: dict[str, float | None] = field(default_factory=dict)
+    """Deadline in seconds of each phase of a step: rollout, reward, handover, logprobs, update, sync, checkpoint,
+    eval, wait, health (e.g. {rollout: 900, update: 1200}); a phase past it stops with an error naming the phase,
+    the role (or engine) and the ranks that did not answer, and counts as a failure for run.max_restarts. Unset or
+    null: a default that grows with the phase's work (docs/reliability.md, Phase deadlines)."""
 
     def check(self, key: str) -> None:
+        from megarl.trainer.loops.deadlines import check_phase_timeouts
+
         if self.max_restarts < 0:
             raise UserError(f"{key}.max_restarts={self.max_restarts} must be >= 0")
+        check_phase_timeouts(self.phase_timeouts, f"{key}.phase_timeouts")
         unknown = [s for s in self.stages if s not in STAGES]
         if unknown or not self.stages:
             raise UserError(f"{key}.stages={self.stages} must list stages from: {', '.join(STAGES)}")
@@ -256,7 +264,6 @@ class JobConfig:
             for key, value, wanted in (
                 ("rollout.backend", rollout.backend, "hf"),
                 ("placement.mode", placement.mode, "colocated"),
-                ("placement.train_gpus", placement.train_gpus, 1),
                 ("rollout.gpus_per_engine", rollout.gpus_per_engine, 1),
                 ("rollout.weight_sync", rollout.weight_sync, "auto"),
             )

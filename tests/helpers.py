@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from megarl.models.hf_config import load_hf_config
+
 # (tp, pp, vpp) layouts every architecture is checked at on four ranks.
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2)]
 
@@ -32,7 +34,7 @@ def hf_logits(folder: Path, input_ids: torch.Tensor) -> torch.Tensor:
     """Reference logits of the HF model, in fp32."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, config=load_hf_config(folder), dtype=torch.float32)
     with torch.no_grad():
         return model(input_ids).logits
 
@@ -125,8 +127,8 @@ def megatron_routing(path: str, layout, input_ids: torch.Tensor):
     """Load at `layout` and run forward; {global layer id: bool [tokens, experts]} of the experts each token was
     routed to (tokens batch-major, as HF flattens them), from one TP/DP rank per pipeline stage."""
     from megarl.checkpoint.model_io import load_model
+    from megarl.models.pipeline import forward_logits
     from megarl.runtime.distributed import init_model_parallel
-    from megarl.runtime.pipeline import forward_logits
 
     parallel = as_parallel(layout)
     init_model_parallel(parallel)
@@ -152,7 +154,7 @@ def hf_routing(folder: Path, input_ids: torch.Tensor) -> dict[int, torch.Tensor]
 
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, config=load_hf_config(folder), dtype=torch.float32)
     maps: dict[int, torch.Tensor] = {}
 
     def record(layer_id, module, inputs, output):

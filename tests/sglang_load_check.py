@@ -39,7 +39,8 @@ define: the tiny checkpoints (saved from that class) lack them."""
 
 def build_sglang_model(model_dir: str, quantization: dict | None = None):
     import torch
-    from transformers import AutoConfig
+
+    from megarl.models.hf_config import load_hf_config
 
     sglang_contract.install_stand_ins()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -49,7 +50,8 @@ def build_sglang_model(model_dir: str, quantization: dict | None = None):
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-    config = AutoConfig.from_pretrained(model_dir)
+    # Kimi K2's model_type is read as DeepSeek-V3's config, as SGLang gets it from the checkpoint's own remote code
+    config = load_hf_config(model_dir)
     # one process as SGLang's own layer tests set it up (world of 1, tp = pp = ep = 1). The model is built on CPU
     # tensors; SGLang's device setting only picks code paths: "cuda" (kernels referenced, never run) except where
     # SGLang's GPU rotary embedding checks for a GPU (yarn RoPE), whose CPU path in turn requires a rope scaling

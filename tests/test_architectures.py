@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from megarl.errors import UserError
-from megarl.models.hf_config import rope_parameters
+from megarl.models.hf_config import config_from_dict, rope_parameters
 from megarl.models.layout import check_parallel_layout
 from megarl.models.registry import get_architecture, supported_model_types
 from megarl.models.rope import rope_inv_freq
@@ -16,12 +16,11 @@ from megarl.testing.tiny_checkpoint import tiny_config
 
 
 def hf_config(name: str, **overrides):
-    raw = {**tiny_config(name), **overrides}
-    return AutoConfig.for_model(raw.pop("model_type"), **raw)
+    return config_from_dict({**tiny_config(name), **overrides})
 
 
 def test_unknown_model_type_lists_the_supported_ones():
-    supported = "deepseek_v3, llama, mixtral, qwen2, qwen3, qwen3_moe"
+    supported = "deepseek_v3, glm4_moe, kimi_k2, llama, mixtral, qwen2, qwen3, qwen3_moe"
     with pytest.raises(UserError, match=f"model_type='gpt2' is not supported; supported: {supported}"):
         get_architecture("gpt2")
     assert supported_model_types() == supported.split(", ")
@@ -34,10 +33,13 @@ def test_unknown_model_type_lists_the_supported_ones():
         ("tiny-llama-bias", dict(qkv_bias=True, proj_bias=True, mlp_bias=True, qk_norm=False, tied_embeddings=True)),
         ("tiny-qwen2", dict(qkv_bias=True, proj_bias=False, mlp_bias=False, qk_norm=False, tied_embeddings=True)),
         ("tiny-qwen3", dict(qkv_bias=False, proj_bias=False, mlp_bias=False, qk_norm=True, tied_embeddings=False)),
+        # GLM-4.5: attention_bias gives q/k/v biases only; use_qk_norm switches qk-norm
+        ("tiny-glm4-moe", dict(qkv_bias=True, proj_bias=False, mlp_bias=False, qk_norm=True, tied_embeddings=False)),
+        ("tiny-glm4-moe", dict(qk_norm=False, use_qk_norm=False)),
     ],
 )
 def test_family_flags(name, flags):
-    config = hf_config(name)
+    config = hf_config(name, **{k: flags.pop(k) for k in list(flags) if k.startswith("use_")})
     features = get_architecture(config.model_type).features(config)
     assert {key: getattr(features, key) for key in flags} == flags
 
@@ -62,6 +64,8 @@ def test_transformer_config_fields():
             {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
             "rope_type='dynamic' is not supported",
         ),
+        # GLM-4.5 routes as DeepSeek-V3 does: Megatron-Core renormalizes the chosen sigmoid scores
+        ("tiny-glm4-moe", {"norm_topk_prob": False}, "norm_topk_prob=false"),
     ],
 )
 def test_unsupported_settings_are_refused(name, overrides, message):
@@ -101,13 +105,15 @@ def test_possible_layouts_pass():
         ("tiny-llama", {}),  # llama3 scaling with its own low/high frequency factors
         ("tiny-qwen3", {}),  # default, theta 1e6, explicit head_dim
         ("tiny-qwen2", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}}),
+        ("tiny-glm4-moe", {}),  # partial: RoPE on the first half of each head
     ],
 )
 def test_rope_frequencies_match_transformers(name, overrides):
     config = hf_config(name, **overrides)
     model = AutoModelForCausalLM.from_config(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    ours = rope_inv_freq(head_dim, rope_parameters(config))
+    rope = rope_parameters(config)
+    ours = rope_inv_freq(int(head_dim * rope.get("partial_rotary_factor", 1.0)), rope)
     assert torch.allclose(ours, model.model.rotary_emb.inv_freq, rtol=0, atol=1e-12)
 
 
@@ -138,12 +144,6 @@ def test_parallel_config_accepts_good_sizes():
         parallel.check("parallel")
 
 
-def test_context_parallelism_is_refused_at_preflight():
-    # Not implemented: a cp the code would ignore must not pass (issue 19).
-    with pytest.raises(UserError, match=r"actor.model.parallel.cp=2: context parallelism is not implemented"):
-        ParallelConfig(cp=2).check("actor.model.parallel")
-
-
 @pytest.mark.parametrize(
     ("name", "overrides", "expected"),
     [
@@ -169,12 +169,35 @@ def test_context_parallelism_is_refused_at_preflight():
             ),
         ),
         ("tiny-deepseek-v3-lite", {}, dict(moe_router_num_groups=None, q_lora_rank=None, rope_type="rope")),
+        (
+            "tiny-glm4-moe",
+            {},
+            dict(
+                moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True,
+                moe_router_num_groups=None,
+                moe_router_topk_scaling_factor=2.5,
+                moe_shared_expert_intermediate_size=32,
+                moe_layer_freq=[0, 1, 1, 1],
+                add_qkv_bias=True,
+                add_bias_linear=False,
+                qk_layernorm=True,
+                kv_channels=32,
+            ),
+        ),
+        # Kimi K2: config.json says model_type kimi_k2 (and points at remote code megarl never runs)
+        ("tiny-kimi-k2", {}, dict(moe_router_num_groups=None, moe_router_topk_scaling_factor=2.827, rope_type="yarn")),
     ],
 )
 def test_moe_routing_settings(name, overrides, expected):
     config = hf_config(name, **overrides)
     fields = get_architecture(config.model_type).to_mcore(config).config_kwargs
     assert {key: fields[key] for key in expected} == expected
+
+
+def test_partial_rotary_embedding():
+    spec = get_architecture("glm4_moe").to_mcore(hf_config("tiny-glm4-moe"))  # head_dim 32, partial_rotary_factor 0.5
+    assert spec.gpt_kwargs["rotary_percent"] == 0.5 and spec.rope_inv_freq.shape == (8,)
 
 
 def test_yarn_settings_for_mla():

@@ -55,6 +55,7 @@ def test_max_staleness_0_reproduces_the_synchronous_numbers(tmp_path):
         assert x["actor/loss"] == pytest.approx(y["actor/loss"], abs=1e-5)
         assert x["actor/pg_loss"] == pytest.approx(y["actor/pg_loss"], abs=1e-5)
     assert all(s["async/staleness_0"] == 1.0 and s["async/dropped"] == 0 for s in b)
+    assert [s["rollout/engines_healthy"] for s in b] == [1.0] * 4  # probed after every sync, generation paused
     assert [v["staleness"] for v in versions(tmp_path / "async/run")] == [[0] * 32] * 4
 
 

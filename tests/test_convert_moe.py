@@ -27,6 +27,7 @@ from megarl.cli import main
 from megarl.conversion.hf_to_mcore import convert_hf_to_mcore
 from megarl.runtime.parallel import ParallelConfig as P
 
+BF16 = torch.bfloat16
 MOE_ARCHITECTURES = ["tiny-mixtral", "tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-deepseek-v3-lite"]
 
 
@@ -42,8 +43,12 @@ def private_copy(hf_checkpoint, tmp_path, name="tiny-deepseek-v3"):
     return folder
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", MOE_ARCHITECTURES)
+@pytest.mark.parametrize(
+    "name, dtype",
+    [pytest.param(n, d, id=f"{n}-{i}") for n in MOE_ARCHITECTURES for d, i in ((torch.float32, "fp32"), (BF16, "bf16"))]
+    # GLM-4.5 and Kimi K2 (built from the parts above) in the dtype they ship in
+    + [pytest.param(n, BF16, id=f"{n}-bf16") for n in ("tiny-glm4-moe", "tiny-kimi-k2")],
+)
 def test_moe_round_trip_is_bit_exact(ranks1, hf_checkpoint, tmp_path, name, dtype):
     src = hf_checkpoint(name, dtype, max_shard_size="100KB")
     mcore, back = round_trip(ranks1, src, tmp_path, P(tp=2, ep=2), read_group_bytes=40_000)

@@ -108,6 +108,11 @@ def test_the_shipped_quickstart_config_runs_both_stages(tmp_path, name):
     if name == "quickstart_moe":  # R3: every update replays the engine's experts, which fp32 routes as the actor does
         steps = [r for r in records if "rollout/routing_replayed" in r]
         assert [(r["rollout/routing_replayed"], r["rollout/routing_agreement"]) for r in steps] == [(1.0, 1.0)] * 2
+        # after an exact weight sync, the same experts for every token in every layer, no sample without routing
+        assert [(r["rollout/routing_agreement_min_layer"], r["rollout/routing_fallback_samples"]) for r in steps] == [
+            (1.0, 0.0)
+        ] * 2
+        assert all(r["mismatch/abs_logprob_diff_max"] < 1e-4 for r in steps)
         assert (run / "plots" / "routing.png").is_file()
     if name == "agent_quickstart":  # multi-turn episodes with the calculator, in training and evaluation
         assert all("agent/tool_use_rate" in r for r in records if "reward/mean" in r)

@@ -28,11 +28,11 @@ ARCHITECTURES = ["tiny-qwen3", "tiny-llama", "tiny-qwen2", "tiny-mixtral", "tiny
 
 def gpu_logits(path: str, input_ids: torch.Tensor, dtype: torch.dtype):
     from megarl.checkpoint.model_io import load_model
+    from megarl.models.pipeline import forward_logits
     from megarl.runtime import cpu_compat
     from megarl.runtime.device import local_device, to_host
     from megarl.runtime.distributed import init_model_parallel
     from megarl.runtime.parallel import ParallelConfig
-    from megarl.runtime.pipeline import forward_logits
 
     assert not cpu_compat.is_active()
     parallel = ParallelConfig()

@@ -26,6 +26,7 @@ ARCHITECTURES = [
     "tiny-qwen3-moe",  # mlp.experts.E.gate/up/down_proj -> fused, with a dense layer
     "tiny-deepseek-v3",  # MLA, shared experts, first dense layer, expert-selection bias
     "tiny-deepseek-v3-lite",
+    "tiny-glm4-moe",  # DeepSeek-V3's MoE behind q/k/v biases and qk-norm
 ]
 
 

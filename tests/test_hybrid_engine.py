@@ -1,8 +1,8 @@
-"""The hybrid engine (rollout.hf.hybrid): the hf engine inside the one actor worker, synced by an in-process copy.
+"""The hybrid engine (rollout.hf.hybrid): each actor worker hosts one hf engine, synced by an in-process copy.
 
-What a user checks: a job that can run hybrid does so on a CPU machine without being asked (one process fewer, the
-`in_process` weight sync), trains exactly as with an engine worker of its own, and `on` where it cannot run is
-refused before anything starts, naming the key.
+What a user checks: a job that can run hybrid does so on a CPU machine without being asked (a process fewer per
+engine, the `in_process` weight sync), trains exactly as with engine workers of their own, and `on` where it cannot
+run is refused before anything starts, naming the key.
 """
 
 from __future__ import annotations
@@ -16,38 +16,42 @@ from megarl.job import JobConfig
 from megarl.trainer.observability.metrics import read_samples
 
 
-def job(tmp_path, *overrides: str) -> JobConfig:
-    return load_config(JobConfig, write_config(tmp_path, "[grpo]", 2, tp=1), overrides)
+def job(tmp_path, *overrides: str, tp: int = 2) -> JobConfig:
+    return load_config(JobConfig, write_config(tmp_path, "[grpo]", 2, tp=tp), overrides)
 
 
-def test_a_one_worker_colocated_job_runs_hybrid_and_syncs_in_process(tmp_path):
-    config = job(tmp_path)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_colocated_job_runs_hybrid_and_syncs_in_process(tmp_path, tp):
+    config = job(tmp_path, tp=tp)  # one engine per actor worker: one or two workers
     assert config.hybrid_engine() and config.weight_sync_transport() == "in_process"
-    off = job(tmp_path, "rollout.hf.hybrid=off")
+    off = job(tmp_path, "rollout.hf.hybrid=off", tp=tp)
     assert not off.hybrid_engine() and off.weight_sync_transport() == "ipc"  # colocated, an engine worker
 
 
 @pytest.mark.parametrize(
-    "override, named",
+    "overrides, named",
     [
-        ("placement.train_gpus=2", "placement.train_gpus=2"),
-        ("rollout.weight_sync=object_store", "rollout.weight_sync='object_store'"),
+        (("placement.mode=split", "placement.rollout_gpus=2"), "placement.mode='split'"),
+        (("rollout.weight_sync=object_store",), "rollout.weight_sync='object_store'"),
     ],
 )
-def test_hybrid_on_where_it_cannot_run_is_refused_naming_the_key(tmp_path, override, named):
-    assert not job(tmp_path, override).hybrid_engine()  # auto: an engine worker of its own
+def test_hybrid_on_where_it_cannot_run_is_refused_naming_the_key(tmp_path, overrides, named):
+    assert not job(tmp_path, *overrides).hybrid_engine()  # auto: an engine worker of its own
     with pytest.raises(UserError, match="rollout.hf.hybrid=on") as error:
-        job(tmp_path, override, "rollout.hf.hybrid=on").hybrid_engine()
+        job(tmp_path, *overrides, "rollout.hf.hybrid=on").hybrid_engine()
     assert named in str(error.value)
 
 
 @pytest.mark.slow
 def test_the_hybrid_engine_trains_exactly_as_an_engine_worker(tmp_path):
+    """At TP=2: two actor workers, each hosting one engine; every bucket reaches both through the relay's broadcast
+    (megarl/workers/weight_sync.py `_relay_in_process`). A one-worker job (TP=1) takes the plain in-process copy:
+    tools/bench/vs_trl.py runs it."""
     runs = {}
     for mode in ("auto", "off"):
         folder = tmp_path / mode
         folder.mkdir()
-        megarl_train(write_config(folder, "[grpo]", 3, tp=1), f"rollout.hf.hybrid={mode}")
+        megarl_train(write_config(folder, "[grpo]", 3), f"rollout.hf.hybrid={mode}")
         runs[mode] = metrics(folder / "run")
     assert all(step["sync/in_process_engines"] == 1 for step in runs["auto"])
     assert all(step["sync/in_process_engines"] == 0 for step in runs["off"])

@@ -20,10 +20,18 @@ from megarl.runtime.parallel import ParallelConfig as P
 MOE_ARCHITECTURES = ["tiny-mixtral", "tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-deepseek-v3-lite"]
 # (TP, PP, EP): EP=2 with TP=2 and PP=2 needs ETP=1 to fit four ranks (ETP x EP x PP = 4)
 MOE_LAYOUTS = [P(), P(ep=2), P(tp=2, ep=2), P(pp=2, ep=2), P(tp=2, pp=2, ep=2, etp=1)]
+# Families built from the same parts as the ones above (GLM-4.5: DeepSeek-V3's routing with grouped-query attention,
+# partial RoPE, q/k/v biases and qk-norm; Kimi K2: DeepSeek-V3 under its own model_type): two layouts each.
+NEWER_FAMILIES = ["tiny-glm4-moe", "tiny-kimi-k2"]
 
 
-@pytest.mark.parametrize("layout", MOE_LAYOUTS, ids=layout_id)
-@pytest.mark.parametrize("name", MOE_ARCHITECTURES)
+def cases(names: list[str], layouts: list) -> list:
+    return [pytest.param(name, layout, id=f"{name}-{layout_id(layout)}") for name in names for layout in layouts]
+
+
+@pytest.mark.parametrize(
+    "name, layout", cases(MOE_ARCHITECTURES, MOE_LAYOUTS) + cases(NEWER_FAMILIES, [P(tp=2, ep=2), P(pp=2)])
+)
 def test_moe_logits_match_hf(ranks4, hf_reference, name, layout):
     folder, ids, expected = hf_reference(name, batch=4)  # 192 tokens: every expert gets some
     logits = one_result(ranks4.run(megatron_logits, str(folder), layout, ids))

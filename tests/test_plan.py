@@ -27,12 +27,17 @@ def shape_of(name: str, spec_backend: str = "te"):
 
 
 def test_public_model_sizes():
-    """The shipped configs describe the published models: 671 B (plus a 13.5 B MTP layer), 7.6 B, 8.0 B."""
+    """The shipped configs describe the published models: 671 B (plus a 13.5 B MTP layer), 7.6 B, 8.0 B, ..."""
     deepseek = shape_of("deepseek-v3-671b")
     assert round(count_parameters(deepseek) / 1e9, 1) == 671.0
     assert round((count_parameters(deepseek) + deepseek.hf_extra_numel) / 1e9) == 684  # the HF repo's "685B"
     assert round(count_parameters(shape_of("qwen2.5-7b")) / 1e9, 2) == 7.62
     assert round(count_parameters(shape_of("llama-3-8b")) / 1e9, 2) == 8.03
+    # GLM-4.5-Air "106B" and GLM-4.5 "355B" (their HF repos, MTP layer included: 110B and 358B); Kimi K2 "1T"
+    for name, size, with_mtp in [("glm-4.5-air", 106.9, 110), ("glm-4.5", 352.8, 358), ("kimi-k2", 1026.4, 1026)]:
+        shape = shape_of(name)
+        assert round(count_parameters(shape) / 1e9, 1) == size, name
+        assert round((count_parameters(shape) + shape.hf_extra_numel) / 1e9) == with_mtp, name
 
 
 # -- memory figures worked out by hand ------------------------------------------------------------------------------

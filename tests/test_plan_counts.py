@@ -38,7 +38,7 @@ def megatron_counts(name: str, parallel: P) -> tuple[int, int]:
 
 
 TINY = ["tiny-llama", "tiny-llama-bias", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe"]
-TINY += ["tiny-deepseek-v3", "tiny-deepseek-v3-lite"]
+TINY += ["tiny-deepseek-v3", "tiny-deepseek-v3-lite", "tiny-glm4-moe"]
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -1,6 +1,7 @@
 """What megarl promises when things go wrong, on real runs (`megarl train` subprocesses, local Ray, CPU):
 a killed driver loses at most the work since the last checkpoint and never the checkpoint; a dead worker makes the
-run restart from its last checkpoint (or stop with a clear message); non-finite gradients skip the update.
+run restart from its last checkpoint (or stop with a clear message); a hung one is stopped at its phase's deadline
+and named; non-finite gradients skip the update.
 
 Faults are injected with megarl.runtime.faults (MEGARL_FAULTS); the kill harness is tools/faults/kill_resume.py.
 """
@@ -8,6 +9,7 @@ Faults are injected with megarl.runtime.faults (MEGARL_FAULTS); the kill harness
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 from job_helpers import REPO, megarl_train, metrics, write_config
@@ -109,3 +111,35 @@ def test_non_finite_gradients_skip_the_update_and_stop_after_too_many(uninterrup
     assert "first non-finite gradient: module." in message and "(optim.max_consecutive_skips=1)" in message
     assert "restarting every role" not in message  # the same data would fail again: no restart
     assert not check_checkpoints(tmp_path / "b")
+
+
+@pytest.mark.slow
+def test_every_step_finds_the_engine_healthy(uninterrupted):
+    _, work, _ = uninterrupted
+    assert [step["rollout/engines_healthy"] for step in metrics(work / "uninterrupted")] == [1.0] * 6
+
+
+@pytest.mark.slow
+def test_a_hung_engine_then_a_hung_update_stop_at_their_deadlines_naming_phase_role_and_rank(uninterrupted, tmp_path):
+    """The engine hangs in step 2's generate (its 3rd: the first eval is its 1st): past the rollout deadline the run
+    restarts; in the restarted run the actor hangs in step 2's update: past that deadline the run stops. Each hang
+    would last an hour."""
+    config, _, _ = uninterrupted
+    hangs = "hang:rollout.generate:3,hang:actor.update:2"
+    faults = {"MEGARL_FAULTS": hangs, "MEGARL_FAULTS_ONCE": str(tmp_path / "once")}
+    split = ["placement.mode=split", "placement.rollout_gpus=1"]  # the engine in a worker of its own
+    deadlines = "run.phase_timeouts={rollout: 20, update: 20}"
+    start = time.monotonic()
+    out = megarl_train(config, f"run.dir={tmp_path / 'run'}", *SMALL, *split, deadlines, env=faults, check=False)
+    seconds = time.monotonic() - start
+    assert out.returncode == 1
+    assert (
+        "a worker failed (rollout call 'generate' in phase 'rollout' failed: rank 0 no answer. Phase 'rollout' passed "
+        "its deadline of 20 s (run.phase_timeouts.rollout)."
+    ) in out.stderr
+    assert (
+        "actor call 'update_policy' in phase 'update' failed: rank 0 no answer. Phase 'update' passed its deadline of "
+        "20 s (run.phase_timeouts.update)."
+    ) in out.stderr
+    assert "The run stopped after 1 restart(s) (run.max_restarts=1)" in out.stderr
+    assert seconds < 600  # two start-ups, three steps and two deadlines; not two hours

@@ -8,10 +8,15 @@ from job_helpers import megarl_train, metrics, write_config
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("mode", "replayed"), [("rollout", 1.0), ("old_logprob", 1.0), ("off", 0.0)])
-def test_routing_replay_modes_log_agreement_and_replayed_fraction(tmp_path, mode, replayed):
+@pytest.mark.parametrize(
+    ("mode", "replayed", "model"), [("old_logprob", 1.0, "tiny-qwen3-moe"), ("off", 0.0, "tiny-glm4-moe")]
+)
+def test_routing_replay_modes_log_agreement_and_replayed_fraction(tmp_path, mode, replayed, model):
+    """routing_replay: rollout (the engine's experts) runs in tests/test_examples.py (configs/quickstart_moe.yaml,
+    the same checks) and in test_async_one_step_off_replays_the_routing_of_every_sample below. GLM-4.5's run is its
+    family's end-to-end training: transformers' engine and Megatron's actor route every token alike."""
     extra = f"algorithm: {{routing_replay: {mode}}}"
-    megarl_train(write_config(tmp_path, "[grpo]", 3, extra, model="tiny-qwen3-moe", ep=2))
+    megarl_train(write_config(tmp_path, "[grpo]", 3, extra, model=model, ep=2))
     steps = metrics(tmp_path / "run")
     assert len(steps) == 3
     for step in steps:

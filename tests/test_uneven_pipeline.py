@@ -84,21 +84,26 @@ def test_a_model_saved_from_uneven_stages_loads_anywhere_bit_exact(ranks4, ranks
 MOE_UNEVEN = [P(pp=2, ep=2, pp_first_stage_layers=1), P(pp=4, pp_first_stage_layers=1, pp_last_stage_layers=1)]
 
 
-@pytest.mark.parametrize("layout", MOE_UNEVEN, ids=_id)
-def test_deepseek_v3_at_uneven_stages_with_its_mtp_layer(ranks4, ranks1, hf_checkpoint, tmp_path, layout):
-    """DeepSeek-V3 (dense first layer, MoE after it, a multi-token-prediction layer after the last): logits at uneven
-    stages, and a model saved from them converts back to the original checkpoint, MTP tensors included."""
+@pytest.mark.parametrize(
+    "name, layout",
+    [pytest.param("tiny-deepseek-v3", layout, id=f"deepseek-v3-{_id(layout)}") for layout in MOE_UNEVEN]
+    + [pytest.param("tiny-glm4-moe", MOE_UNEVEN[0], id=f"glm4-moe-{_id(MOE_UNEVEN[0])}")],
+)
+def test_moe_at_uneven_stages_with_its_mtp_layer(ranks4, ranks1, hf_checkpoint, tmp_path, name, layout):
+    """DeepSeek-V3 and GLM-4.5 (dense first layer, MoE after it, a multi-token-prediction layer after the last):
+    logits at uneven stages, and a model saved from them converts back to the original checkpoint, MTP tensors
+    included."""
     import shutil
 
     src = tmp_path / "src"
-    shutil.copytree(hf_checkpoint("tiny-deepseek-v3"), src)
+    shutil.copytree(hf_checkpoint(name), src)
     edit_weights(src, add_mtp_layer)
     mcore, saved, back = tmp_path / "mcore", tmp_path / "saved", tmp_path / "back"
     ranks1.run(convert_hf_to_mcore, str(src), str(mcore), layout, show_progress=False)
 
     ids = sample_ids(1000)
     logits = one_result(ranks4.run(megatron_logits, str(mcore), layout, ids))
-    assert (logits - hf_logits(hf_checkpoint("tiny-deepseek-v3"), ids)).abs().max().item() < 1e-4
+    assert (logits - hf_logits(hf_checkpoint(name), ids)).abs().max().item() < 1e-4
 
     ranks4.run(save_at_layout, str(mcore), layout, str(saved))
     assert json.loads((saved / "megarl.json").read_text())["layout"] == layout.layout_dict()

@@ -28,6 +28,8 @@ _EXPORTS = {
     "start_groups": "megarl.cluster.worker_group",
     "WorkerError": "megarl.cluster.errors",
     "WorkerTimeoutError": "megarl.cluster.errors",
+    "PhaseTimeoutError": "megarl.cluster.deadline",
+    "phase_deadline": "megarl.cluster.deadline",
     "RankFailure": "megarl.cluster.errors",
     "DISPATCH_MODES": "megarl.cluster.dispatch",
     "COLLECT_MODES": "megarl.cluster.dispatch",
@@ -40,6 +42,7 @@ __all__ = [
     "NodeInfo",
     "ParallelInfo",
     "PendingCall",
+    "PhaseTimeoutError",
     "RankFailure",
     "RayInfo",
     "ResourcePool",
@@ -48,6 +51,7 @@ __all__ = [
     "WorkerGroup",
     "WorkerInfo",
     "WorkerTimeoutError",
+    "phase_deadline",
     "start_groups",
     "start_ray",
     "stop_ray",
@@ -55,6 +59,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from megarl.cluster.config import ClusterConfig, GroupTimeouts
+    from megarl.cluster.deadline import PhaseTimeoutError, phase_deadline
     from megarl.cluster.dispatch import COLLECT_MODES, DISPATCH_MODES
     from megarl.cluster.errors import RankFailure, WorkerError, WorkerTimeoutError
     from megarl.cluster.ray_runtime import NodeInfo, RayInfo, start_ray, stop_ray

@@ -9,7 +9,8 @@ Failure semantics (the driver never waits without bound):
 - once one rank failed, the others get `failure_grace_s` to answer (ranks waiting for it in a collective never
   would); then the whole group is killed;
 - a call that outlives its time limit with no failure raises `WorkerTimeoutError`, naming the ranks that did not
-  answer, and kills the group too;
+  answer, and kills the group too; inside a phase deadline (deadline.py) the limit is also what is left of the
+  phase, every failure names the phase, and one past the phase's end is a `PhaseTimeoutError`;
 after any failure `healthy` is False: `restart()` builds the group afresh (or build a new one).
 """
 
@@ -26,6 +27,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.cluster.config import GroupTimeouts
+from megarl.cluster.deadline import PhaseDeadline, PhaseTimeoutError, call_limit, current_deadline
 from megarl.cluster.dispatch import COLLECT_MODES, DISPATCH_MODES, NEEDS_PARALLEL_INFO, check_parallel_infos
 from megarl.cluster.errors import RankFailure, WorkerError, WorkerTimeoutError, clean_traceback
 from megarl.cluster.ray_runtime import thread_env
@@ -58,7 +60,7 @@ class PendingCall:
             note = f"The group was shut down before the call ended ({group._down_reason})."
             raise WorkerError(group.role, self.what, {}, note)
         limit = group.timeouts.call_s if timeout_s is None else timeout_s
-        values = group._gather(self.what, self.refs, list(range(len(self.refs))), limit)
+        values = group._gather(self.what, self.refs, list(range(len(self.refs))), *group._call_limit(limit))
         return self._combine(values)
 
 
@@ -304,7 +306,8 @@ class WorkerGroup:
         """Every rank's `parallel_info()`, asked once and kept (see `refresh_parallel_info`)."""
         if self._parallel is None:
             refs = [worker.parallel_info.remote() for worker in self.workers]
-            parallel = self._gather("call 'parallel_info'", refs, list(range(self.world_size)), self.timeouts.call_s)
+            ranks = list(range(self.world_size))
+            parallel = self._gather("call 'parallel_info'", refs, ranks, *self._call_limit(self.timeouts.call_s))
             check_parallel_infos(self.role, parallel)
             self._parallel = parallel
         return self._parallel
@@ -320,10 +323,17 @@ class WorkerGroup:
             return value
         return ray.put(value)
 
-    def _gather(self, what: str, refs: list, ranks: list[int], timeout_s: float | None) -> list[Any]:
+    def _call_limit(self, limit: float | None) -> tuple[float | None, PhaseDeadline | None]:
+        """A call's limit within the current phase deadline, and that deadline when it is the tighter bound."""
+        return call_limit(limit, self.timeouts.failure_grace_s)
+
+    def _gather(
+        self, what: str, refs: list, ranks: list[int], timeout_s: float | None, bound: PhaseDeadline | None = None
+    ) -> list[Any]:
         """The values of `refs` (ranks[i] runs refs[i]), or WorkerError once a rank failed, died or stayed silent.
 
         After the first failure the others get `failure_grace_s`; on any failure or timeout the group is killed.
+        `bound`: the phase deadline that set `timeout_s` (its passing raises PhaseTimeoutError).
         """
         index_of = {ref: i for i, ref in enumerate(refs)}
         values: list[Any] = [None] * len(refs)
@@ -352,11 +362,13 @@ class WorkerGroup:
             return values
         silent = sorted({ranks[index_of[ref]] for ref in pending} - set(failures))
         failures.update({rank: RankFailure(rank, "no answer", "") for rank in silent})
+        if (phase := current_deadline()) is not None:
+            what = f"{what} in phase '{phase.phase}'"
         if first_failed is None:
-            notes = [f"No answer within {timeout_s:g} s."]
+            notes = [bound.describe() if bound is not None else f"No answer within {timeout_s:g} s."]
             if what.startswith("start-up"):
                 notes.append("Workers that never started may be waiting for resources held elsewhere (`ray status`).")
-            error_cls = WorkerTimeoutError
+            error_cls = WorkerTimeoutError if bound is None else PhaseTimeoutError
         else:
             notes = [f"First failure: rank {first_failed}."]
             if silent:
@@ -368,6 +380,8 @@ class WorkerGroup:
         self._kill(f"{what} failed on ranks {sorted(failures)}")
         notes.append("The group was shut down: call restart() or build a new one.")
         note = " ".join(notes)
+        if error_cls is PhaseTimeoutError:
+            raise PhaseTimeoutError(self.role, what, failures, note, bound)
         raise error_cls(self.role, what, failures, note)
 
 

@@ -80,8 +80,10 @@ def _hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from megarl.models.hf_config import load_hf_config
+
     hf_logging.disable_progress_bar()  # a bar for loading a model the report line does not mention
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, config=load_hf_config(folder), dtype=torch.float32)
     with torch.no_grad():
         return model(ids).logits
 
@@ -92,8 +94,8 @@ def megatron_logits(path: str, parallel: ParallelConfig, ids: torch.Tensor) -> t
     from megatron.core import parallel_state as ps
 
     from megarl.checkpoint.model_io import load_model
+    from megarl.models.pipeline import forward_logits
     from megarl.runtime.distributed import init_model_parallel
-    from megarl.runtime.pipeline import forward_logits
 
     init_model_parallel(parallel)
     model = load_model(path, parallel, torch.float32)

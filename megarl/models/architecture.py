@@ -64,10 +64,13 @@ class Architecture:
 
     name: str
     hf_model_types: tuple[str, ...]
-    qk_norm: bool = False
-    """RMSNorm on each query and key head before RoPE (Qwen3)."""
+    qk_norm: bool | str = False
+    """RMSNorm on each query and key head before RoPE: True always (Qwen3), or the config.json key that switches it
+    on (GLM-4.5: `use_qk_norm`)."""
     qkv_bias_always: bool = False
     """q/k/v projections carry a bias whatever config.json says (Qwen2); otherwise `attention_bias` decides."""
+    output_bias_from_attention_bias: bool = True
+    """`attention_bias` also gives the attention output projection a bias (Llama); GLM-4.5's covers q/k/v only."""
     mla: bool = False
     """Multi-head Latent Attention (DeepSeek-V2/V3) instead of grouped-query attention."""
     moe: MoE | None = None
@@ -107,11 +110,12 @@ class Architecture:
 
     def features(self, hf_config) -> Features:
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        qk_norm = bool(getattr(hf_config, self.qk_norm, False)) if isinstance(self.qk_norm, str) else self.qk_norm
         return Features(
             qkv_bias=self.qkv_bias_always or attention_bias,
-            proj_bias=attention_bias,
+            proj_bias=attention_bias and self.output_bias_from_attention_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=self.qk_norm,
+            qk_norm=qk_norm,
             tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         )
 

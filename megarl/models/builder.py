@@ -47,6 +47,7 @@ def build_transformer_config(
         **parallel.megatron_sizes(),
         **parallel.megatron_stage_kwargs(),
         sequence_parallel=parallel.sequence_parallel,
+        cp_comm_type=parallel.cp_comm_type if parallel.cp > 1 else None,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,

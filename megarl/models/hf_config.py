@@ -39,11 +39,30 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
         raise UserError(f"{path} is not readable JSON ({err})") from err
 
 
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+"""config.json model_types read as another family's config class: Kimi K2 is DeepSeek-V3's architecture under its own
+name (its checkpoint ships DeepSeek-V3's remote code, which megarl never runs; transformers' own class reads it)."""
+
+
+def config_from_dict(raw: dict[str, Any]):
+    """The transformers config of a config.json dict (defaults and key renames applied), aliases resolved."""
+    from transformers import AutoConfig
+
+    model_type = raw.get("model_type")
+    if model_type in MODEL_TYPE_ALIASES:
+        raw = {k: v for k, v in raw.items() if k != "auto_map"}  # the remote code's classes: never imported
+        model_type = MODEL_TYPE_ALIASES[model_type]
+    return AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
+
+
 def load_hf_config(model_dir: str | Path):
-    """`transformers.AutoConfig` for a local folder (never the hub)."""
+    """`transformers.AutoConfig` for a local folder (never the hub); aliased model_types as their family's."""
     from transformers import AutoConfig
 
     try:
+        raw = read_config_json(model_dir) if (Path(model_dir) / "config.json").is_file() else {}
+        if raw.get("model_type") in MODEL_TYPE_ALIASES:
+            return config_from_dict(raw)
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError, KeyError) as err:
         raise UserError(f"{model_dir}/config.json could not be loaded by transformers: {err}") from err

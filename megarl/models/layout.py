@@ -37,4 +37,10 @@ def check_parallel_layout(arch: Architecture, hf_config, parallel: ParallelConfi
         _check_divides(etp, f"{prefix}etp", {arch.moe.expert_ffn_key: int(getattr(hf_config, arch.moe.expert_ffn_key))})
     elif parallel.ep > 1:
         raise UserError(f"{prefix}ep={parallel.ep} needs a mixture-of-experts model; {arch.name} is dense: use 1")
+    if parallel.cp > 1 and parallel.cp_comm_type == "a2a":
+        # Ulysses: each TP rank's heads are scattered over the CP ranks
+        heads = {"num_attention_heads / tp": hf_config.num_attention_heads // parallel.tp}
+        if not arch.mla:
+            heads["num_key_value_heads / tp"] = max(num_kv_heads(hf_config) // parallel.tp, 1)
+        _check_divides(parallel.cp, f"{prefix}cp (with cp_comm_type=a2a)", heads)
     parallel.stages.check(hf_config.num_hidden_layers, prefix)

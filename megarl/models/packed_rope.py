@@ -6,7 +6,8 @@ sample: a host sync and a few small ops per sample, per layer, for queries and k
 short samples RL packs (tens of them per row) that loop cost 40% of the attention time on CPU (py-spy, the
 quickstart-size model). Here each token's position within its sample is computed once on the device and the
 frequencies gathered in one op: the same numbers (each sample's positions count from 0, as in Megatron's mode 2),
-for context-parallel size 1; other cases go to Megatron's own function.
+for context-parallel size 1 and for megarl's context-parallel split (megarl/models/context_parallel.py: each
+token rotated by its position in its global sample); other cases go to Megatron's own function.
 
 Megatron's BSHD function slices the rotated part off the input and concatenates the rest back on, even when RoPE
 covers every channel (then the slice's backward writes a zero tensor and the concatenation copies queries and keys
@@ -34,6 +35,14 @@ def rope_positions(cu_seqlens: torch.Tensor, size: int) -> torch.Tensor:
     if sharing is not None:
         positions = positions + sharing.shared.repeat_interleave(cu_seqlens.diff().long(), output_size=size)
     return positions
+
+
+def _positions(cu_seqlens: torch.Tensor, size: int, split) -> torch.Tensor:
+    """RoPE positions of a forward's `size` tokens: every packed token's, or with context parallelism those of
+    this rank's tokens in their global samples."""
+    if split is None:
+        return rope_positions(cu_seqlens, size)
+    return rope_positions(cu_seqlens, split.padded_tokens)[split.local.to(cu_seqlens.device)]
 
 
 def _cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype, signed: bool = False):
@@ -72,11 +81,12 @@ def install() -> None:
     def apply_thd(
         t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0, cp_group=None
     ):
+        split = getattr(cu_seqlens, "context_split", None)  # megarl/models/context_parallel.py
         whole_row = freqs.dim() >= 1 and freqs.size(0) == t.size(0)  # Megatron's offset mode: its own code
-        if cp_group is None or cp_group.size() != 1 or whole_row:
+        if split is None and (cp_group is None or cp_group.size() != 1 or whole_row):
             return original(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
         size = t.size(0)
-        packed = cached("thd", (freqs, cu_seqlens, size), lambda: freqs[rope_positions(cu_seqlens, size)])
+        packed = cached("thd", (freqs, cu_seqlens, size), lambda: freqs[_positions(cu_seqlens, size, split)])
         return rope_utils._apply_rotary_pos_emb_bshd(
             t.unsqueeze(1),
             packed,

@@ -8,6 +8,15 @@ from megarl.models.moe import MoE, RoutingLayout, after_first_k_dense, every_lay
 
 _SLIDING = "sliding-window attention is not implemented by Megatron-Core's local attention"
 
+DEEPSEEK_V3_MOE = MoE(
+    num_experts_key="n_routed_experts",
+    score="sigmoid",
+    sparse_layers=after_first_k_dense,
+    shared_experts_key="n_shared_experts",
+)
+"""DeepSeek-V3's routing (sigmoid scores, a selection bias, group-limited top-k, scaled weights), first k layers dense,
+shared experts: also GLM-4.5's, whose HF router is the same code."""
+
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch
     for arch in [
@@ -36,17 +45,20 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         Architecture(
             "deepseek_v3",
-            ("deepseek_v3",),
+            ("deepseek_v3", "kimi_k2"),  # Kimi K2: DeepSeek-V3's architecture (hf_config.MODEL_TYPE_ALIASES)
             mla=True,
-            moe=MoE(
-                num_experts_key="n_routed_experts",
-                score="sigmoid",
-                sparse_layers=after_first_k_dense,
-                shared_experts_key="n_shared_experts",
-            ),
+            moe=DEEPSEEK_V3_MOE,
             mtp_layers_key="num_nextn_predict_layers",
             # SGLang's DeepseekV2 loader fuses these into fused_qkv_a_proj_with_mqa (q_lora_rank set)
             load_groups=(("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),),
+        ),
+        Architecture(
+            "glm4_moe",
+            ("glm4_moe",),
+            qk_norm="use_qk_norm",
+            output_bias_from_attention_bias=False,  # attention_bias: q/k/v biases, no output projection bias
+            moe=DEEPSEEK_V3_MOE,
+            mtp_layers_key="num_nextn_predict_layers",
         ),
     ]
 }

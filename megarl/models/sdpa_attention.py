@@ -8,12 +8,18 @@ It also runs packed sequences (Megatron's THD layout, megarl/data/packing.py), w
 does not: the packed tokens are laid out sample by sample, padded to the longest, and attended causally per sample
 (one batched SDPA call, so the attention cost is that of the samples, never of the whole packed row).
 
+Context parallelism (megarl/models/context_parallel.py): each rank holds two chunks of every packed sample; keys
+and values are all-gathered over the CP group and each local query attends to its sample's keys up to its global
+position (shared prompts too), which Megatron's local attention refuses.
+
 Shapes: query [seq, batch, heads, k_dim], key [seq, batch, kv_heads, k_dim], value [seq, batch, kv_heads, v_dim]
 -> output [seq, batch, heads * v_dim] (heads being this TP rank's share). Packed: [tokens, heads, dim] in,
 [tokens, heads * v_dim] out.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +45,6 @@ class SDPACoreAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPACoreAttention does not split sequences: use context_parallel_size=1")
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -81,6 +85,9 @@ class SDPACoreAttention(MegatronModule):
         if params.qkv_format != "thd":
             raise NotImplementedError(f"SDPACoreAttention packs only the thd format, not {params.qkv_format!r}")
         sharing = getattr(params, "shared_prefix", None)
+        split = getattr(params.cu_seqlens_q, "context_split", None)
+        if split is not None:
+            return self._context_parallel(query, key, value, params.cu_seqlens_q, split, sharing)
         if sharing is not None:
             return self._shared_prompts(query, key, value, params.cu_seqlens_q, sharing)
         index, samples, longest = packed_attention_index(params.cu_seqlens_q)
@@ -103,6 +110,34 @@ class SDPACoreAttention(MegatronModule):
         out = out.transpose(1, 2).reshape(samples * longest, -1)
         return out.index_select(0, index)
 
+    def _context_parallel(self, query, key, value, cu_seqlens: torch.Tensor, split, sharing) -> torch.Tensor:
+        """This CP rank's queries against the keys and values of the whole padded row, all-gathered over the CP
+        group (megarl/models/context_parallel.py): each sample's keys laid in slots as without CP (shared prompts:
+        the root's first tokens, then the sample's own), each query masked causally by its global slot."""
+        keys, values = split.gather_padded(key), split.gather_padded(value)
+        layout = cp_attention_layout(cu_seqlens, split, sharing)
+        samples, width, queries = layout.samples, layout.width, layout.queries
+        if sharing is not None:
+            keys, values = (
+                torch.cat([t, t.new_zeros(1, *t.shape[1:])]).index_select(0, layout.keys) for t in (keys, values)
+            )
+        else:
+            keys, values = (
+                t.new_zeros(samples * width, *t.shape[1:]).index_copy(0, layout.keys, t) for t in (keys, values)
+            )
+        k, v = (t.view(samples, width, *t.shape[1:]).transpose(1, 2) for t in (keys, values))
+        q = query.new_zeros(samples * queries, *query.shape[1:]).index_copy(0, layout.query_slots, query)
+        out = F.scaled_dot_product_attention(
+            q.view(samples, queries, *query.shape[1:]).transpose(1, 2),
+            k,
+            v,
+            attn_mask=layout.mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            scale=self.softmax_scale,
+            enable_gqa=key.shape[1] != query.shape[1],
+        )
+        return out.transpose(1, 2).reshape(samples * queries, -1).index_select(0, layout.query_slots)
+
     def _shared_prompts(self, query, key, value, cu_seqlens: torch.Tensor, sharing) -> torch.Tensor:
         """Packed samples that take their first `shared` tokens from a root sample: each sample's slots are the
         root's first `shared` tokens, then its own, so causal attention over the slots reads exactly the keys the
@@ -123,6 +158,47 @@ class SDPACoreAttention(MegatronModule):
             enable_gqa=key.shape[1] != query.shape[1],
         )
         return out.transpose(1, 2).reshape(samples * width, -1).index_select(0, slot_of_token)
+
+
+@dataclass(frozen=True)
+class _CPLayout:
+    samples: int
+    width: int
+    """Key slots per sample (the longest padded sample, plus its shared tokens)."""
+    queries: int
+    """Query slots per sample: the most tokens this rank holds of one sample."""
+    keys: torch.Tensor
+    """Without sharing: the key slot of each padded global token; with it: the padded token in each key slot
+    (T_pad for an empty slot)."""
+    query_slots: torch.Tensor
+    """[local tokens] the query slot of each of this rank's tokens."""
+    mask: torch.Tensor
+    """[samples, 1, queries, width] True where a query slot may read a key slot (causal by global slot)."""
+
+
+def cp_attention_layout(cu_seqlens: torch.Tensor, split, sharing) -> _CPLayout:
+    """The slots of `SDPACoreAttention._context_parallel`, once per forward."""
+    return cached("cp_slots", (cu_seqlens,), lambda: _cp_layout(cu_seqlens, split, sharing))
+
+
+def _cp_layout(cu_seqlens: torch.Tensor, split, sharing) -> _CPLayout:
+    local = split.local.to(cu_seqlens.device)
+    if sharing is not None:
+        keys, slot_of_token, samples, width = shared_prompt_slots(cu_seqlens, sharing)
+        global_slot = slot_of_token[local]
+    else:
+        keys, samples, width = packed_attention_index(cu_seqlens)
+        keys = keys.to(cu_seqlens.device)
+        global_slot = keys[local]
+    sample, key_position = global_slot // width, global_slot % width
+    local_bounds = torch.div(cu_seqlens.long(), split.size, rounding_mode="floor")
+    held = local_bounds.diff()
+    queries = int(held.max())
+    query_slots = sample * queries + positions_in_samples(local_bounds, local.numel())
+    position = torch.zeros(samples * queries, dtype=torch.long, device=cu_seqlens.device)
+    position = position.index_copy(0, query_slots, key_position).view(samples, 1, queries, 1)
+    mask = torch.arange(width, device=cu_seqlens.device) <= position  # empty query slots read slot 0: no NaN
+    return _CPLayout(samples, width, queries, keys, query_slots, mask)
 
 
 def shared_prompt_slots(cu_seqlens: torch.Tensor, sharing) -> tuple[torch.Tensor, torch.Tensor, int, int]:

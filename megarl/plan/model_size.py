@@ -121,13 +121,11 @@ def load_config_json(path: str | Path, key: str) -> dict[str, Any]:
 
 def hf_config_from_dict(raw: dict[str, Any]):
     """The transformers config object the registry reads (defaults and key renames applied as when training)."""
-    from transformers import AutoConfig
-
+    from megarl.models.hf_config import config_from_dict
     from megarl.models.registry import get_architecture
 
     get_architecture(raw.get("model_type"))  # a clear error for unsupported families first
-    kwargs = {k: v for k, v in raw.items() if k != "model_type"}
-    return AutoConfig.for_model(raw["model_type"], **kwargs)
+    return config_from_dict(raw)
 
 
 def model_shape(hf_config, spec_backend: str = "te") -> ModelShape:

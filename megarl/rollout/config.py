@@ -91,7 +91,7 @@ class HFEngineConfig:
     hybrid: Literal["auto", "on", "off"] = "auto"
     """Run the engine inside the actor's worker process (verl's hybrid engine): generation computes on the actor's
     own thread and the weight sync is an in-process copy, with no Ray call or host copy between them. Possible
-    with placement.mode=colocated, one actor worker (placement.train_gpus=1), one engine and
+    with placement.mode=colocated, one-GPU engines (rollout.gpus_per_engine=1: each actor worker hosts one) and
     rollout.weight_sync=auto (megarl/job.py `hybrid_engine`). auto: whenever possible on a machine without CUDA
     (a local Ray instance; on GPUs it has not run yet); on: also on GPUs, and refuse a job where it is not
     possible; off: the engine has a worker of its own."""

@@ -97,6 +97,10 @@ def sample_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+HEALTH_PROBE_TOKEN = 1
+"""The prompt of the generic health probe (any id below the vocabulary size)."""
+
+
 class RolloutEngine(ABC):
     """A rollout backend. Calls block; a Ray rollout worker wraps one engine."""
 
@@ -173,6 +177,12 @@ class RolloutEngine(ABC):
     def health(self) -> dict[str, Any]:
         """{"ok": bool, "weight_version": int, ...}; must answer quickly."""
         return {"ok": True, "weight_version": self.weight_version}
+
+    def health_probe(self, timeout_s: float) -> None:
+        """Prove the engine serves: one greedy token of a one-token prompt (within `timeout_s`, where the backend
+        can bound it). Raises when it cannot (the engine's own error)."""
+        probe = GenerateRequest([HEALTH_PROBE_TOKEN], seed=0, request_id="health_probe")
+        self.generate([probe], SamplingParams(n=1, temperature=0.0, max_new_tokens=1, ignore_eos=True))
 
     def shutdown(self) -> None:
         """Release every resource (processes, memory)."""

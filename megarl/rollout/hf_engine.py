@@ -112,6 +112,8 @@ class HFEngine(RolloutEngine):
     def _build_model(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
+        from megarl.models.hf_config import load_hf_config
+
         if not (self.model_path / "config.json").is_file():
             raise UserError(f"hf engine: {self.model_path} is not a HF model folder (no config.json)")
         from megarl.bridge.fp8 import BlockFP8
@@ -121,16 +123,18 @@ class HFEngine(RolloutEngine):
         if not any(self.model_path.glob("*.safetensors")) or self._fp8 is not None:
             # A config-only folder (a megarl checkpoint's hf/): the weights arrive with the first weight sync. An
             # FP8 checkpoint: built unquantized, its weights read dequantized next (transformers' FP8 needs a GPU).
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
+            config = load_hf_config(self.model_path)
             config._attn_implementation = self.config.attn_implementation
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(
-                self.model_path, dtype=dtype, attn_implementation=self.config.attn_implementation, local_files_only=True
+                self.model_path,
+                config=load_hf_config(self.model_path),  # aliased model_types (Kimi K2) as their family's
+                dtype=dtype,
+                attn_implementation=self.config.attn_implementation,
+                local_files_only=True,
             )
         return model.eval().requires_grad_(False).to(self.device)
 

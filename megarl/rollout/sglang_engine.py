@@ -556,6 +556,10 @@ class SGLangEngine(RolloutEngine):
             info["error"] = str(e)
         return info
 
+    def health_probe(self, timeout_s: float) -> None:
+        """GET /health_generate: the server generates one token (queued behind requests in flight)."""
+        self._call(self.client.health_generate, timeout_s)
+
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.stop()

@@ -10,11 +10,13 @@ is a comma-separated list of `action:point[:count]`:
 
 Actions: `sigkill` (SIGKILL this process: nothing is flushed or cleaned up), any other signal by name (`sigterm`,
 `sigusr1`, `sigint`: sent to this process, which handles it as it would one from outside, at an exact point),
-`exit` (os._exit(1)), `raise` (RuntimeError), `nan` (the point's caller makes its value non-finite), and the weight
+`exit` (os._exit(1)), `raise` (RuntimeError), `hang` (sleep for HANG_S: a process that stops answering, for the
+phase deadlines' tests), `nan` (the point's caller makes its value non-finite), and the weight
 tampering of `tamper` (`swap_layers`, `corrupt_expert`: a sync that sends wrong weights whose norms are right, for
 the sync probe's tests). Points are named where `hit` or `tamper` is called.
 
-Counts are per process. With MEGARL_FAULTS_ONCE=DIR a fault fires once per DIR across processes and restarts (a
+Counts are per process. With MEGARL_FAULTS_RANK=R faults fire only in worker processes of rank R (env RANK: e.g.
+rollout engine R), nowhere else. With MEGARL_FAULTS_ONCE=DIR a fault fires once per DIR across processes and restarts (a
 marker file records it): a run that restarts its workers after the fault does not meet it again.
 """
 
@@ -23,10 +25,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from collections import Counter
 
 ENV = "MEGARL_FAULTS"
 ONCE_ENV = "MEGARL_FAULTS_ONCE"
+RANK_ENV = "MEGARL_FAULTS_RANK"
+HANG_S = 3600.0
+"""How long a `hang` fault sleeps: longer than any test waits."""
 _hits: Counter[str] = Counter()
 
 
@@ -44,7 +50,8 @@ def hit(point: str) -> bool:
     if ENV not in os.environ:
         return False
     fault = _spec().get(point)
-    if fault is None:
+    rank = os.environ.get(RANK_ENV)
+    if fault is None or (rank is not None and rank != os.environ.get("RANK")):
         return False
     _hits[point] += 1
     action, count = fault
@@ -63,6 +70,8 @@ def hit(point: str) -> bool:
         os.kill(os.getpid(), signal.Signals[action.upper()])
     if action == "exit":
         os._exit(1)
+    if action == "hang":
+        time.sleep(HANG_S)
     if action == "raise":
         raise RuntimeError(f"fault injected at {point} (pass {count})")
     return action == "nan" or action in TAMPERS

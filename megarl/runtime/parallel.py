@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from megarl.errors import UserError
 from megarl.runtime.stages import StageLayout
 
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+"""Transformer Engine's context-parallel exchanges megarl passes on (Megatron's `cp_comm_type`)."""
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -37,8 +40,13 @@ class ParallelConfig:
     etp: int | None = None
     """Expert tensor-parallel size; null (the default) means the same as `tp`."""
     cp: int = 1
-    """Context-parallel size: each sequence split across this many ranks. Not implemented yet: only 1 is accepted
-    (long sequences: `micro_batch.max_tokens` and activation recompute instead)."""
+    """Context-parallel size: each sequence split across this many ranks (each packed sample padded to a multiple
+    of 2 x cp tokens and cut into 2 x cp chunks, rank r holding chunks r and 2cp-1-r; docs/long_context.md). The
+    numbers equal cp = 1: CPU through megarl's attention, GPU through Transformer Engine's."""
+    cp_comm_type: str = "p2p"
+    """GPU (Transformer Engine's CP attention): how keys and values travel between the CP ranks: `p2p` (a ring,
+    overlapped with the attention), `all_gather`, or `a2a` (heads scattered over the CP ranks: cp must divide the
+    attention and key/value heads). megarl's CPU attention always all-gathers."""
     sequence_parallel: bool = False
     """Split activations along the sequence inside tensor-parallel regions (needs tp > 1; Transformer Engine
     layers)."""
@@ -50,10 +58,9 @@ class ParallelConfig:
         for axis in ("tp", "pp", "vpp", "ep", "cp"):
             if getattr(self, axis) < 1:
                 raise UserError(f"{_name(key, axis)}={getattr(self, axis)} must be >= 1")
-        if self.cp > 1:
+        if self.cp_comm_type not in CP_COMM_TYPES:
             raise UserError(
-                f"{_name(key, 'cp')}={self.cp}: context parallelism is not implemented in megarl yet; use "
-                f"{_name(key, 'cp')}=1 (long sequences: a smaller micro_batch.max_tokens, or model.recompute: true)"
+                f"{_name(key, 'cp_comm_type')}={self.cp_comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}"
             )
         if self.etp is not None and self.etp < 1:
             raise UserError(f"{_name(key, 'etp')}={self.etp} must be >= 1 (or unset: the same as tp)")

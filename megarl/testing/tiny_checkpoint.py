@@ -33,12 +33,13 @@ def make_hf_checkpoint(
     One-dimensional weights and buffers (norms, biases, DeepSeek's expert-selection bias) are randomized too: HF
     initializes them to ones and zeros, which would let a mapping that swaps two norms pass every numeric check.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from megarl.data.char_tokenizer import build_char_tokenizer
+    from megarl.models.hf_config import MODEL_TYPE_ALIASES, config_from_dict
 
     raw = dict(tiny_config(config) if isinstance(config, str) else config)
-    hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    hf_config = config_from_dict(raw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config)
     saved = model.state_dict()
@@ -54,6 +55,12 @@ def make_hf_checkpoint(
     out_dir = Path(out_dir)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     model.save_pretrained(out_dir, **kwargs)
+    if raw["model_type"] in MODEL_TYPE_ALIASES:
+        # saved by the family's class: give config.json back its own model_type (and remote-code pointers), as the
+        # published checkpoint has them
+        written = json.loads((out_dir / "config.json").read_text())
+        written.update(model_type=raw["model_type"], **({"auto_map": raw["auto_map"]} if "auto_map" in raw else {}))
+        (out_dir / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     if with_tokenizer:
         build_char_tokenizer().save_pretrained(out_dir)
     return out_dir

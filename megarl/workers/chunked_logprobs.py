@@ -9,7 +9,8 @@ the gather of the target token and the entropy run on `chunk_tokens` tokens at a
 recomputes each chunk's logits (torch.utils.checkpoint per chunk), so only one chunk's [chunk x vocab / tp]
 tensors exist at any time. At TP > 1 each chunk reduces its max and sum-exp over the TP group (Megatron's
 vocab-parallel cross entropy and workers/token_stats.py's entropy), so the numbers equal the unchunked ones to float
-rounding (docs/long_context.md).
+rounding (docs/long_context.md). With context parallelism both paths compute on this CP rank's tokens, with targets
+rolled on the whole sequence, and gather the per-token values (megarl/models/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megarl.bridge.mappings import VocabInfo
+from megarl.models.context_parallel import ContextSplit, context_split
 from megarl.workers.token_stats import (
     align_to_tokens,
     position_entropy,
@@ -53,10 +55,13 @@ def logits_token_stats(
     temperature: float,
     entropy: Entropy = "off",
     sum_pi_squared: bool = False,
+    split: ContextSplit | None = None,
 ) -> TokenStats:
-    """Token stats from the logits of a whole micro-batch (this TP rank's vocabulary slice)."""
-    values = _position_stats(prepare_logits(logits_BSV, vocab, temperature), _targets(ids_BS), entropy, sum_pi_squared)
-    return _aligned(values, entropy, sum_pi_squared, position_ids_BS)
+    """Token stats from the logits of a whole micro-batch (this TP rank's vocabulary slice). split: with context
+    parallelism, the logits are this CP rank's tokens and the stats are gathered (megarl/models/context_parallel.py)."""
+    targets = _targets(ids_BS, split)
+    values = _position_stats(prepare_logits(logits_BSV, vocab, temperature), targets, entropy, sum_pi_squared)
+    return _aligned(_gathered(values, split), entropy, sum_pi_squared, position_ids_BS)
 
 
 def chunked_token_stats(
@@ -69,6 +74,7 @@ def chunked_token_stats(
     chunk_tokens: int,
     entropy: Entropy = "off",
     sum_pi_squared: bool = False,
+    split: ContextSplit | None = None,
 ) -> TokenStats:
     """Token stats from the final hidden states (already in the tensor-parallel region, see `hidden_states_out`)
     and the LM head's weight slice [vocab / tp, hidden], `chunk_tokens` tokens at a time (the last chunk may be
@@ -77,7 +83,7 @@ def chunked_token_stats(
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
     batch, seq, hidden_size = hidden_BSH.shape
     hidden_NH = hidden_BSH.reshape(batch * seq, hidden_size)
-    targets_N = _targets(ids_BS).reshape(-1)
+    targets_N = _targets(ids_BS, split).reshape(-1)
     recompute = torch.is_grad_enabled() and (hidden_NH.requires_grad or weight_VH.requires_grad)
     stats = functools.partial(
         _chunk_stats, vocab=vocab, temperature=temperature, entropy=entropy, sum_pi_squared=sum_pi_squared
@@ -92,7 +98,7 @@ def chunked_token_stats(
         else:
             parts.append(stats(hidden_NH[rows], weight_VH, targets_N[rows]))
     values = [torch.cat(column).view(batch, seq) for column in zip(*parts)]
-    return _aligned(values, entropy, sum_pi_squared, position_ids_BS)
+    return _aligned(_gathered(values, split), entropy, sum_pi_squared, position_ids_BS)
 
 
 def _chunk_stats(
@@ -129,8 +135,16 @@ def _aligned(
     return TokenStats(logprobs, next(aligned) if entropy != "off" else None, next(aligned) if sum_pi_squared else None)
 
 
-def _targets(ids_BS: torch.Tensor) -> torch.Tensor:
-    return torch.roll(ids_BS, shifts=-1, dims=1)  # logits at t predict t + 1
+def _targets(ids_BS: torch.Tensor, split: ContextSplit | None = None) -> torch.Tensor:
+    """The next token of every position; with context parallelism rolled on the whole sequence, then this CP rank's
+    share (a target at a chunk boundary is the first token of the next chunk, which another rank may hold)."""
+    targets = torch.roll(ids_BS, shifts=-1, dims=1)  # logits at t predict t + 1
+    return targets if split is None else split.local_tokens(targets)
+
+
+def _gathered(values: list[torch.Tensor], split: ContextSplit | None) -> list[torch.Tensor]:
+    """Per-position values of this CP rank's tokens -> every token's, in the micro-batch's layout."""
+    return values if split is None else [split.gather_tokens(v) for v in values]
 
 
 class PolicyHead:
@@ -162,8 +176,11 @@ class PolicyHead:
     ) -> TokenStats:
         """`output`: the last stage's output for micro-batch `tensors` (logits, or hidden states when chunked)."""
         ids, positions = tensors["input_ids"], tensors.get("position_ids")  # position_ids: packed rows
+        split = context_split(tensors)
         if not self.chunk_tokens:
-            return logits_token_stats(output, ids, positions, self.vocab, self.temperature, entropy, sum_pi_squared)
+            return logits_token_stats(
+                output, ids, positions, self.vocab, self.temperature, entropy, sum_pi_squared, split
+            )
         assert self.weight is not None, "the output layer did not run: is this the last pipeline stage?"
         return chunked_token_stats(
             output,
@@ -175,6 +192,7 @@ class PolicyHead:
             self.chunk_tokens,
             entropy,
             sum_pi_squared,
+            split,
         )
 
 

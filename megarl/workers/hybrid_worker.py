@@ -1,10 +1,13 @@
-"""The hybrid engine: the actor's Megatron worker also hosts the rollout engine (rollout.hf.hybrid; verl's
-"hybrid engine"), for a colocated job with one actor worker and one hf engine (e.g. tools/bench/vs_trl.py's).
+"""The hybrid engine: each of the actor's Megatron workers also hosts a rollout engine (rollout.hf.hybrid; verl's
+"hybrid engine"), for a colocated job of one-GPU hf engines: engine i lives in actor worker i (the quickstart's
+TP=2 actor hosts its two engines; tools/bench/vs_trl.py's one worker its one).
 
 Why: on a machine of few cores, an engine in a worker of its own costs a Ray call per handover, bucket and
 generate call, a host copy of every weight through the object store, and a second OpenMP thread team that takes
-the cores from the first (tools/bench/README.md, vs_trl). Here the engine computes on the actor's own thread
-and a weight sync is one in-process copy of each exported tensor into the engine's model.
+the cores from the first (tools/bench/README.md, vs_trl), and on a small machine each engine worker's start-up
+(its imports) competes with the actor's. Here the engine computes on the actor's own thread and a weight sync is
+one in-process copy of each exported tensor into the engine's model (with several workers, after the relay's
+broadcast gives every rank every bucket: workers/weight_sync.py).
 
 The controller sees two groups as before: `roles.actor` (this worker's Megatron methods) and `roles.rollout`, an
 `EngineView` of the same workers whose calls go to the `engine_*` methods: the embedded `RolloutWorker`'s (same
@@ -35,6 +38,7 @@ ENGINE_METHODS = (
     "release_memory",
     "resume_memory",
     "health",
+    "health_probe",
     "shutdown_engine",
 )
 """The rollout worker's methods the controller calls (trainer/: rollout_step, engine_sync, handover, roles)."""
@@ -46,6 +50,9 @@ class HybridActorWorker(MegatronWorker):
     RolloutWorker's `<method>`."""
 
     def __init__(self):
+        from megarl.runtime.quiet import silence_expected_warnings
+
+        silence_expected_warnings()  # weight_sync imports Megatron's optimizer, which warns at import (no TE/Apex)
         from megarl.workers.weight_sync import SenderState
 
         super().__init__()

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megarl.models.pipeline import forward_logits
 from megarl.runtime.device import collective_device, local_device
-from megarl.runtime.pipeline import forward_logits
 from megarl.workers.role_model import RoleModel
 
 

@@ -123,10 +123,13 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _rng_sharded_object():
-    """One object per (pipeline, tensor) rank, replicated over data parallelism (as Megatron-LM saves RNG)."""
+    """One object per (pipeline, tensor) rank, replicated over data and context parallelism (as Megatron-LM saves
+    RNG)."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size())
     offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
-    return ShardedObject("rng_state", _rng_state(), shape, offset, replica_id=ps.get_data_parallel_rank())
+    return ShardedObject(
+        "rng_state", _rng_state(), shape, offset, replica_id=ps.get_data_parallel_rank(with_context_parallel=True)
+    )

@@ -266,6 +266,16 @@ class RolloutWorker(Worker):
             info.update(ok=False, error=str(err))
         return info
 
+    def health_probe(self, timeout_s: float) -> float:
+        """Seconds the engine took to generate one token (SGLang: GET /health_generate); raises naming the problem
+        when it cannot (a lost node, a dead server, a refused generate)."""
+        faults.hit("rollout.health")
+        start = time.perf_counter()
+        self.check_nodes()
+        with self._lock:
+            self._checked(self.engine.health_probe, timeout_s)
+        return time.perf_counter() - start
+
     def shutdown_engine(self) -> None:
         from megarl.workers.engine_nodes import stop_engine_nodes
 

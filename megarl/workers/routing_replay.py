@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megarl.models.context_parallel import context_split
 from megarl.models.moe import RoutingLayout
 
 MODES = ("observe", "replay", "record")
@@ -151,18 +152,27 @@ class RoutingReplay:
         self.routers = [router for chunk_routers in routers for router in chunk_routers]
         config = getattr(chunks[0], "module", chunks[0]).config
         self.sequence_parallel = bool(config.sequence_parallel)
+        self.token_multiple = config.tensor_model_parallel_size if self.sequence_parallel else 1
         for router in self.routers:
             router.clear()
             router.mode = mode
 
     def prepare(self, chunk: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         """Give the routers of `chunk` this micro-batch's targets (called right before its forward)."""
-        sp = self.sequence_parallel
-        scored = megatron_token_order(scored_tokens(tensors["attention_mask"]), sp)
+        split = context_split(tensors, self.token_multiple)
+
+        def order(values_bs: torch.Tensor) -> torch.Tensor:  # context parallelism: this rank's tokens first
+            if split is not None:
+                values_bs = split.local_tokens(
+                    values_bs.to(torch.uint8) if values_bs.dtype == torch.bool else values_bs
+                )
+            return megatron_token_order(values_bs, self.sequence_parallel)
+
+        scored = order(scored_tokens(tensors["attention_mask"])).bool()
         routed = tensors.get("routed_experts")
-        mask = megatron_token_order(tensors["routing_mask"].bool(), sp) if routed is not None else None
+        mask = order(tensors["routing_mask"].bool()).bool() if routed is not None else None
         for router in self._routers_of[id(chunk)]:
-            target = megatron_token_order(routed[:, :, router.moe_index], sp) if routed is not None else None
+            target = order(routed[:, :, router.moe_index]) if routed is not None else None
             router.set_targets(target, mask, scored)
 
     def finish(self) -> None:
@@ -182,13 +192,10 @@ class RoutingReplay:
             forwards = iter(router.observed)
             for micro_batch in micro_batches:
                 same_T, compared_T = next(forwards)
-                b = micro_batch.tensors["input_ids"].shape[0]
                 rows = micro_batch.rows
                 if rows:
-                    agree[rows, router.moe_index] += same_T.view(-1, b).sum(0)[: len(rows)].to("cpu", torch.int32)
-                    observed[rows, router.moe_index] += (
-                        compared_T.view(-1, b).sum(0)[: len(rows)].to("cpu", torch.int32)
-                    )
+                    agree[rows, router.moe_index] += self._per_row(same_T, micro_batch)
+                    observed[rows, router.moe_index] += self._per_row(compared_T, micro_batch)
         counts = self._sum_over_model(torch.stack([agree, observed]), split_by_sequence=True)
         return counts[0], counts[1]
 
@@ -201,8 +208,11 @@ class RoutingReplay:
                 rows = micro_batch.rows
                 if not rows:
                     continue
-                b = micro_batch.tensors["input_ids"].shape[0]
+                split = context_split(micro_batch.tensors, self.token_multiple)
+                b = 1 if split is not None else micro_batch.tensors["input_ids"].shape[0]
                 chosen_bsk = self._whole_sequence(chosen_Tk.view(-1, b, layout.topk)).transpose(0, 1)
+                if split is not None:  # this CP rank's tokens -> the micro-batch's rows (a collective over CP)
+                    chosen_bsk = split.gather_tokens(chosen_bsk)
                 out[rows, : chosen_bsk.shape[1], router.moe_index] = chosen_bsk[: len(rows)].to("cpu", torch.int32)
         return self._sum_over_model(out, split_by_sequence=False).sort(dim=-1).values.to(layout.dtype)
 
@@ -223,6 +233,18 @@ class RoutingReplay:
         dist.all_reduce(counts)
         replayed, scored = counts.tolist()
         return replayed / scored if scored else 0.0
+
+    def _per_row(self, values_T: torch.Tensor, micro_batch) -> torch.Tensor:
+        """Per-token counts as this rank's routers saw them [T] -> their sums over each of the micro-batch's rows."""
+        rows = micro_batch.rows
+        split = context_split(micro_batch.tensors, self.token_multiple)
+        if split is None:
+            b = micro_batch.tensors["input_ids"].shape[0]
+            return values_T.view(-1, b).sum(0)[: len(rows)].to("cpu", torch.int32)
+        row_T = megatron_token_order(split.local_rows(), self.sequence_parallel)
+        kept = (row_T >= 0) & (row_T < len(rows))
+        counts = torch.zeros(len(rows), dtype=torch.int32)
+        return counts.index_add_(0, row_T[kept], values_T.cpu()[kept].to(torch.int32))
 
     def _whole_sequence(self, values_sb: torch.Tensor) -> torch.Tensor:
         """[s / tp, ...] parts of the sequence-parallel ranks -> [s, ...] (as it is without sequence parallelism)."""
@@ -249,6 +271,8 @@ class RoutingReplay:
         groups = [ps.get_pipeline_model_parallel_group()]
         if self.sequence_parallel and split_by_sequence:
             groups.append(ps.get_tensor_model_parallel_group())
+        if split_by_sequence:  # context parallelism: each CP rank counted its own tokens
+            groups.append(ps.get_context_parallel_group())
         for group in groups:
             if dist.get_world_size(group) > 1:
                 moved = counts.to(collective_device(group))

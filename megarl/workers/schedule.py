@@ -3,7 +3,7 @@
 The batch is cut into micro-batches by a token budget (dynamic batch size: rows x longest row), each trimmed to its
 own longest row, so padding costs little; with packing (megarl/data/packing.py) each micro-batch is one row of its
 samples' real tokens up to the budget, and no padding is computed at all; where the model allows it
-(`shares_prompts`: megarl's CPU attention, plain RoPE, no PP/CP), rows that repeat the prompt of the row before
+(`shares_prompts`: megarl's CPU attention, plain RoPE, no PP), rows that repeat the prompt of the row before
 them (GRPO's n samples) lay it once (34% fewer tokens per update at the quickstart size, 28% less update time).
 Pipeline stages exchange activations of varying shapes (`variable_seq_lengths`, set when the model is built with
 PP > 1). The interleaved schedule needs the number of micro-batches to be a multiple of the pipeline size: filler
@@ -14,6 +14,10 @@ Megatron calls on the last pipeline stage: `loss_fn(output) -> (loss, num_tokens
 `calculate_per_token_loss`, so Megatron neither divides the loss by the number of micro-batches nor averages
 gradients over data-parallel ranks: a loss already weighted by its share of the global mini-batch sums to the
 global objective. Payloads (per-token results, metric sums) come back in micro-batch order on the last stage.
+
+With context parallelism (megarl/models/context_parallel.py) `gpt_output` runs this CP rank's share of every sample
+of a micro-batch, and the heads gather their per-token results back (`global_tokens`): everything above sees the
+micro-batch whole.
 
 Shapes: B rows of this rank's batch, S its width; b, s those of a micro-batch.
 """
@@ -29,6 +33,7 @@ import torch
 from megarl.data.batch import Batch
 from megarl.data.micro_batches import fixed_shape_groups, token_budget_groups
 from megarl.data.packing import SharedPrefix, pack_groups, pack_rows, shared_prompt_lengths, unpacked_index
+from megarl.models.context_parallel import CP_TOKENS, context_split, forward_split, padded_tokens
 
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]
 StepFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, LossFn]]
@@ -58,6 +63,10 @@ class ScheduleShape:
     agree_across_ranks: bool = False
     """Expert parallelism: every MoE layer's token exchange is a collective across ranks that hold different
     data, so all ranks run the same number of micro-batches (and, with fixed shapes, the same shape)."""
+    context_parallel: int = 1
+    """CP size: with fixed shapes every micro-batch's split is padded to one token count (`CP_TOKENS`)."""
+    token_multiple: int = 1
+    """`packing_multiple` of the model (a CP split pads its samples to multiples of it too)."""
 
 
 def schedule_shape(chunks: Sequence[torch.nn.Module]) -> ScheduleShape:
@@ -68,7 +77,8 @@ def schedule_shape(chunks: Sequence[torch.nn.Module]) -> ScheduleShape:
     expert_parallel = parallel_state.get_expert_model_parallel_world_size() > 1
     allgather = bool(config.num_moe_experts) and config.moe_token_dispatcher_type == "allgather"
     fixed = (pp > 1 and not config.variable_seq_lengths) or (expert_parallel and allgather)
-    return ScheduleShape(pp if len(chunks) > 1 else 1, fixed, expert_parallel)
+    cp = parallel_state.get_context_parallel_world_size()
+    return ScheduleShape(pp if len(chunks) > 1 else 1, fixed, expert_parallel, cp, packing_multiple(chunks))
 
 
 def packing_multiple(chunks: Sequence[torch.nn.Module]) -> int:
@@ -79,15 +89,15 @@ def packing_multiple(chunks: Sequence[torch.nn.Module]) -> int:
 
 def shares_prompts(chunks: Sequence[torch.nn.Module]) -> bool:
     """Whether packed rows of this model can share prompts: megarl's SDPA core attention (Transformer Engine's THD
-    kernels cannot read another sample's keys), plain RoPE (megarl/models/packed_rope.py), no context or pipeline
-    parallelism (every pipeline stage must lay a micro-batch alike)."""
+    kernels cannot read another sample's keys; with context parallelism too), plain RoPE
+    (megarl/models/packed_rope.py), no pipeline parallelism (every pipeline stage must lay a micro-batch alike)."""
     from megatron.core import parallel_state
 
     from megarl.models.sdpa_attention import SDPACoreAttention
 
     model = _unwrap(chunks[0])
     config = model.config
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1 or config.context_parallel_size > 1:
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         return False
     if config.multi_latent_attention or getattr(model, "position_embedding_type", None) != "rope":
         return False
@@ -199,7 +209,13 @@ def _rows_of(units: list[int], unit: int, num_rows: int) -> list[int]:
 
 
 def _with_fillers(micro_batches: list[MicroBatch], shape: ScheduleShape) -> list[MicroBatch]:
-    """Filler micro-batches up to the count the schedule needs (agreed across ranks, a multiple of its groups)."""
+    """Filler micro-batches up to the count the schedule needs (agreed across ranks, a multiple of its groups);
+    with fixed shapes and context parallelism, one padded token count for every split."""
+    if shape.fixed_shape and shape.context_parallel > 1:
+        tokens = max(padded_tokens(mb.tensors, shape.context_parallel, shape.token_multiple) for mb in micro_batches)
+        tokens = _agree_max(tokens) if shape.agree_across_ranks else tokens
+        for micro_batch in micro_batches:
+            micro_batch.tensors[CP_TOKENS] = torch.tensor(tokens)
     count = len(micro_batches)
     if shape.agree_across_ranks:
         count = _agree_max(count)
@@ -264,6 +280,8 @@ def run_schedule(
 
     iterators: Any = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
     widths = [mb.tensors["input_ids"].shape for mb in micro_batches]
+    if CP_TOKENS in micro_batches[0].tensors:  # the schedule divides it by the CP size: this rank's tokens
+        widths = [(1, int(mb.tensors[CP_TOKENS])) for mb in micro_batches]
     for chunk in chunks:
         chunk.train(not forward_only)
     payloads = get_forward_backward_func()(
@@ -283,6 +301,9 @@ def gpt_output(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torc
     position, so no attention mask is needed. Packed micro-batches (`cu_seqlens`) go through Megatron's THD path.
     Last stage: logits [b, s, V/tp] or values [b, s, 1]."""
     input_ids = tensors["input_ids"]
+    split = context_split(tensors, packing_multiple([model]))
+    if split is not None:
+        return forward_split(model, tensors, split)
     if "cu_seqlens" in tensors:
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -299,6 +320,13 @@ def gpt_output(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torc
         return model(input_ids, tensors["position_ids"], attention_mask=None, packed_seq_params=params)
     position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     return model(input_ids, position_ids, attention_mask=None)
+
+
+def global_tokens(values: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-token values [b, s, ...] of the model's output for micro-batch `tensors`, in the micro-batch's layout: as
+    they are without context parallelism; with it, this rank's tokens gathered over the CP ranks."""
+    split = context_split(tensors)
+    return values if split is None else split.gather_tokens(values)
 
 
 def scatter_rows(
@@ -318,7 +346,12 @@ def scatter_rows(
 
 
 def is_output_rank() -> bool:
-    """Ranks whose results the controller collects: TP rank 0 on the last pipeline stage (one per DP replica)."""
+    """Ranks whose results the controller collects: TP and CP rank 0 on the last pipeline stage (one per DP
+    replica; every CP rank holds the gathered results)."""
     from megatron.core import parallel_state as ps
 
-    return ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage(ignore_virtual=True)
+    return (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+        and ps.is_pipeline_last_stage(ignore_virtual=True)
+    )

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from megarl.data.batch import Batch
 from megarl.workers.role_model import RoleModel
 from megarl.workers.schedule import (
+    global_tokens,
     gpt_output,
     is_output_rank,
     packing_multiple,
@@ -33,17 +34,19 @@ from megarl.workers.train_step import MetricSums, train_step, weighted
 ValueLossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def _values(head_output: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """[b, s, 1] head output at each position -> [b, s] aligned with the tokens (packed rows: `position_ids`)."""
-    return align_to_tokens(head_output.squeeze(-1).float(), position_ids)
+def _values(head_output: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[b, s, 1] head output at each position of micro-batch `tensors` -> [b, s] aligned with the tokens (packed
+    rows: by their `position_ids`; context parallelism: gathered over the CP ranks)."""
+    return align_to_tokens(global_tokens(head_output.squeeze(-1).float(), tensors), tensors.get("position_ids"))
 
 
 def _last_token_scores(head_output: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """The head at each sample's last real token [samples]; packed rows: at each sample's `sample_ends`."""
+    values = global_tokens(head_output.squeeze(-1).float(), tensors)
     if "sample_ends" in tensors:
-        return head_output.squeeze(-1).float()[0, tensors["sample_ends"].to(head_output.device)]
+        return values[0, tensors["sample_ends"].to(values.device)]
     last = tensors["attention_mask"].sum(dim=1).long().clamp(min=1) - 1
-    return head_output.squeeze(-1).float().gather(1, last[:, None]).squeeze(1)
+    return values.gather(1, last[:, None].to(values.device)).squeeze(1)
 
 
 @torch.no_grad()
@@ -72,9 +75,7 @@ def _forward_rows(
 
 def compute_values(model: RoleModel, batch: Batch, max_tokens: int = 16384, packing: bool = False) -> Batch | None:
     """`values` [B, S] on output ranks (None elsewhere); packing: packed micro-batches."""
-    return _forward_rows(
-        model, batch, max_tokens, "values", lambda out, tensors: _values(out, tensors.get("position_ids")), packing
-    )
+    return _forward_rows(model, batch, max_tokens, "values", _values, packing)
 
 
 def compute_scores(model: RoleModel, batch: Batch, max_tokens: int = 16384, packing: bool = False) -> Batch | None:
@@ -89,7 +90,7 @@ def update_critic(
     algorithms' ValueLoss), weighted by `loss_weights`."""
 
     def objective(head_output: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, MetricSums]:
-        per_token_loss, metrics = loss_fn(_values(head_output, tensors.get("position_ids")), tensors)
+        per_token_loss, metrics = loss_fn(_values(head_output, tensors), tensors)
         return weighted(per_token_loss, metrics, tensors["loss_weights"])
 
     return train_step(model, batch, objective, max_tokens, packing=packing)

@@ -11,7 +11,8 @@ bucket and engine, the road (megarl/rollout/transports.py):
 - nccl (SGLang engines on GPUs of their own): the sending rank broadcasts each flattened bucket to every engine GPU
   through an SGLangWeightSender it keeps between syncs (closed on any failure, so the next sync starts clean);
 - in_process (the hybrid engine: workers/hybrid_worker.py): the engine lives in the sending worker, which hands it
-  each bucket directly (the engine copies the tensors into its model);
+  each bucket directly (the engine copies the tensors into its model). With several actor workers (one engine
+  each) every bucket first reaches every rank through the relay's broadcast below (`relay_buckets`);
 - disk (engines across nodes, any number of sending ranks): each sending rank writes its buckets as safetensors
   files into the sync's folder on the run's shared file system; the controller then has every engine read it;
 - ipc_relay (colocated SGLang engines across nodes: megarl/workers/ipc_relay.py): every bucket is broadcast from its
@@ -33,14 +34,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from megarl.bridge.exporter import export_hf_weights
 from megarl.bridge.fp8 import BlockFP8, quantize_bucket
 from megarl.checkpoint.model_io import LoadedModel
 from megarl.rollout.engine import VERIFY_PATTERN, Bucket
+from megarl.rollout.sglang_weights import unflatten
 from megarl.runtime import faults
 from megarl.workers.bucket_transport import device_uuid, pack_bucket, pack_bucket_ipc
-from megarl.workers.ipc_relay import relay_weights
+from megarl.workers.ipc_relay import relay_buckets, relay_weights
 from megarl.workers.sync_route import SyncRoute
 from megarl.workers.weight_delta import DeltaEncoder, delta_to_bucket
 
@@ -79,6 +82,10 @@ def send_weights(
         fp8 = BlockFP8.from_config(route.quantization, "rollout.weights_format") if route.quantization else None
         with torch.no_grad():
             sent = relay_weights(_exported(model, bucket_bytes, fp8), route, state, keep_samples)
+        return sent | {"seconds": time.perf_counter() - start}
+    if route.transport == "in_process" and dist.is_initialized() and dist.get_world_size() > 1:
+        with torch.no_grad():
+            sent = _relay_in_process(_exported(model, bucket_bytes, None), state, keep_samples)
         return sent | {"seconds": time.perf_counter() - start}
     in_flight: deque[InFlight] = deque()
     sent_bytes = sent_tensors = num_buckets = full_bytes = 0
@@ -132,7 +139,39 @@ def send_weights(
 
 def _exported(model: LoadedModel, bucket_bytes: int, fp8: BlockFP8 | None):
     for bucket in export_hf_weights(model.bridge, model.hf_dtypes, bucket_bytes):
+        bucket = faults.tamper("sync.bucket", bucket)  # tests of the sync probe only
         yield quantize_bucket(bucket, fp8) if fp8 is not None else bucket
+
+
+def _relay_in_process(buckets, state: SenderState, keep_samples: bool) -> dict:
+    """The in_process road with several actor workers, each hosting one engine (a hybrid engine at TP, PP or EP
+    > 1): every bucket, whichever rank exports it, is broadcast to every rank in the relay's global order
+    (ipc_relay.relay_buckets: no two broadcasts can cross), and each rank copies it into its own engine. Each tensor
+    is counted and sampled once, on its owner."""
+    if state.local_engine is None:
+        raise RuntimeError("rollout.weight_sync in_process: this actor worker hosts no engine (hybrid_worker.py)")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    verify = re.compile(VERIFY_PATTERN)
+    samples: Bucket = []
+    sent_bytes = sent_tensors = num_buckets = 0
+    for part, mine in relay_buckets(buckets, device):
+        named = unflatten(part)
+        state.local_engine(named)
+        if mine:
+            sent_bytes += part.nbytes
+            sent_tensors += len(named)
+            num_buckets += 1
+            if keep_samples:
+                samples += [(name, t.detach().cpu().clone()) for name, t in named if verify.search(name)]
+    return {
+        "bytes": float(sent_bytes),
+        "full_bytes": float(sent_bytes),
+        "tensors": float(sent_tensors),
+        "buckets": float(num_buckets),
+        "ipc_engines": 0.0,
+        "in_process_engines": 1.0,
+        "samples": samples,
+    }
 
 
 def close_sender(state: SenderState) -> None:

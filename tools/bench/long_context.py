@@ -17,9 +17,9 @@ of the unchunked one (target <= 0.125); `update_slope_ratio` the same for the up
 [tokens x vocab] fp32 logits and several tensors of that size (~3 MB per token at this vocabulary: 8.7 GB for a
 log-prob pass at 3k tokens), so it is measured at short lengths only (a 24 GiB machine shared with others); the
 slope is exact from there. The default points (cut to 16k tokens; `--tokens 2048,16384,32768` reaches 32k) took
-6.5 min of user CPU on 2 cores (tools/bench/README.md). Tokens/s: of the chunked points at the longest length,
-context parallelism 1; `cp2` is null: context parallelism (`parallel.cp > 1`) is not implemented in megarl yet
-(issue 40, item 1).
+6.5 min of user CPU on 2 cores (tools/bench/README.md). Tokens/s: of the chunked points at the longest length
+(context parallelism 1), and at `--cp-tokens` for cp = 1 and cp = 2 (two gloo ranks of a rank pool, one thread
+each, the whole pass timed on the slower rank; megarl's CPU attention all-gathers keys and values).
 """
 
 from __future__ import annotations
@@ -69,9 +69,27 @@ def _batch(tokens: int, vocab: int, seed: int = 0):
 
 def run_point(folder: str, which: str, chunk: int, tokens: int, vocab: int) -> dict:
     """In this (fresh) process: build the model, warm up, measure one call. {peak_bytes, seconds}."""
+    from megarl.runtime.distributed import single_process_megatron
+
+    with single_process_megatron():
+        return _measure(folder, which, chunk, tokens, vocab)
+
+
+def run_cp_point(folder: str, which: str, chunk: int, tokens: int, vocab: int) -> dict:
+    """On each rank of a context-parallel pool: the same measurement at parallel.cp = world size."""
+    import torch.distributed as dist
+
+    from megarl.runtime.distributed import init_model_parallel
+    from megarl.runtime.parallel import ParallelConfig
+
+    init_model_parallel(ParallelConfig(cp=dist.get_world_size()))
+    return _measure(folder, which, chunk, tokens, vocab, ParallelConfig(cp=dist.get_world_size()))
+
+
+def _measure(folder: str, which: str, chunk: int, tokens: int, vocab: int, parallel=None) -> dict:
     from megarl.algorithms.config import PolicyLossConfig
     from megarl.algorithms.losses import PolicyLoss
-    from megarl.runtime.distributed import single_process_megatron
+    from megarl.runtime.parallel import ParallelConfig
     from megarl.workers.config import ModelSettings, OptimizerSettings
     from megarl.workers.policy import compute_logprobs, update_policy
     from megarl.workers.role_model import build_role_model
@@ -83,17 +101,17 @@ def run_point(folder: str, which: str, chunk: int, tokens: int, vocab: int) -> d
             return compute_logprobs(model, batch, 1.0, tokens, with_entropy=True, chunk_tokens=chunk)
         return update_policy(model, batch, loss_fn, 1.0, tokens, chunk_tokens=chunk)
 
-    with single_process_megatron():
-        optimizer = OptimizerSettings(lr=1e-6) if which == "update" else None
-        model = build_role_model(ModelSettings(path=folder, dtype="float32"), optimizer=optimizer, total_steps=2)
-        call(_batch(WARMUP_TOKENS, vocab))
-        batch = _batch(tokens, vocab, seed=1)
-        before = _status_kib("VmRSS")
-        Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark to the current RSS
-        start = time.perf_counter()
-        call(batch)
-        seconds = time.perf_counter() - start
-        peak = _status_kib("VmHWM")
+    optimizer = OptimizerSettings(lr=1e-6) if which == "update" else None
+    settings = ModelSettings(path=folder, dtype="float32", parallel=parallel or ParallelConfig())
+    model = build_role_model(settings, optimizer=optimizer, total_steps=2)
+    call(_batch(WARMUP_TOKENS, vocab))
+    batch = _batch(tokens, vocab, seed=1)
+    before = _status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark to the current RSS
+    start = time.perf_counter()
+    call(batch)
+    seconds = time.perf_counter() - start
+    peak = _status_kib("VmHWM")
     return {"peak_bytes": (peak - before) * 1024, "seconds": seconds}
 
 
@@ -114,6 +132,9 @@ def main() -> None:
     parser.add_argument("--unchunked-tokens", type=_ints, default=_ints("1024,2048"), help="unchunked lengths")
     parser.add_argument("--chunk", type=int, default=1024, help="logprob_chunk_tokens of the chunked points")
     parser.add_argument("--vocab", type=int, default=152064)
+    parser.add_argument(
+        "--cp-tokens", type=int, default=8192, help="length of the cp=2 points (one of --tokens; 0: none)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument(
         "--point", nargs=5, metavar=("FOLDER", "PASS", "CHUNK", "TOKENS", "VOCAB"), help=argparse.SUPPRESS
@@ -128,6 +149,8 @@ def main() -> None:
             raise SystemExit(f"{name} needs at least two lengths of >= {WARMUP_TOKENS} tokens (got {values})")
     if args.chunk < 1:
         raise SystemExit(f"--chunk={args.chunk} must be >= 1")
+    if args.cp_tokens and args.cp_tokens not in args.tokens:
+        raise SystemExit(f"--cp-tokens={args.cp_tokens} must be one of --tokens {args.tokens} (or 0: no cp=2 points)")
     results = measure(args)
     report(results, args)
 
@@ -154,15 +177,37 @@ def measure(args) -> dict:
                 f"({time.perf_counter() - start:.0f} s so far)",
                 flush=True,
             )
-    return _summary(points, args)
+        cp_points = _cp_points(folder, args) if args.cp_tokens else []
+    return _summary(points, cp_points, args)
 
 
-def _summary(points: list[dict], args) -> dict:
+def _cp_points(folder: str, args) -> list[dict]:
+    """The chunked passes at --cp-tokens on two gloo ranks at parallel.cp = 2 (each rank one thread: the cp=1 points
+    use the machine's threads): the slower rank's seconds, each rank's peak."""
+    from megarl.runtime.rank_pool import RankPool
+
+    points = []
+    with RankPool(2, timeout_s=1800) as pool:
+        for which in PASSES:
+            ranks = pool.run(run_cp_point, folder, which, args.chunk, args.cp_tokens, args.vocab)
+            point = {"pass": which, "chunk_tokens": args.chunk, "tokens": args.cp_tokens, "cp": 2}
+            point |= {"seconds": max(r["seconds"] for r in ranks), "peak_bytes": max(r["peak_bytes"] for r in ranks)}
+            points.append(point)
+            print(
+                f"[cp=2] {which:8s} chunk={args.chunk:5d} tokens={args.cp_tokens:6d}: peak per rank "
+                f"{point['peak_bytes'] / 2**30:6.2f} GiB, {point['seconds']:6.2f} s",
+                flush=True,
+            )
+    return points
+
+
+def _summary(points: list[dict], cp_points: list[dict], args) -> dict:
     def select(which: str, chunked: bool) -> list[dict]:
         return [p for p in points if p["pass"] == which and bool(p["chunk_tokens"]) == chunked]
 
     slopes = {which: {c: _slope(select(which, c)) for c in (False, True)} for which in PASSES}
     longest = {which: max(select(which, True), key=lambda p: p["tokens"]) for which in PASSES}
+    at_cp_length = {p["pass"]: p for p in points if p["chunk_tokens"] and p["tokens"] == args.cp_tokens}
     return {
         "model": MODEL | {"vocab_size": args.vocab, "dtype": "float32"},
         "chunk_tokens": args.chunk,
@@ -170,12 +215,14 @@ def _summary(points: list[dict], args) -> dict:
         "slope_bytes_per_token": {w: {"unchunked": s[False], "chunked": s[True]} for w, s in slopes.items()},
         "chunked_slope_ratio": slopes["logprobs"][True] / slopes["logprobs"][False],
         "update_slope_ratio": slopes["update"][True] / slopes["update"][False],
+        "cp_points": cp_points,
         "tokens_per_s": {
             "tokens": longest["logprobs"]["tokens"],
             "cp1": {w: p["tokens"] / p["seconds"] for w, p in longest.items()},
-            "cp2": None,
+            "cp_tokens": args.cp_tokens or None,
+            "cp1_at_cp_tokens": {w: p["tokens"] / p["seconds"] for w, p in at_cp_length.items()} or None,
+            "cp2": {p["pass"]: p["tokens"] / p["seconds"] for p in cp_points} or None,
         },
-        "cp2_note": "context parallelism (parallel.cp > 1) is not implemented in megarl yet (issue 40, item 1)",
     }
 
 
@@ -194,8 +241,14 @@ def report(results: dict, args) -> None:
     print(
         f"\nchunked_slope_ratio = {results['chunked_slope_ratio']:.4f} (target <= 0.125); tokens/s at "
         f"{speed['tokens']} tokens, cp=1: log-probs {speed['cp1']['logprobs']:.0f}, update "
-        f"{speed['cp1']['update']:.0f}; cp=2: n/a ({results['cp2_note']})"
+        f"{speed['cp1']['update']:.0f}"
     )
+    if speed["cp2"]:
+        cp1, cp2 = speed["cp1_at_cp_tokens"], speed["cp2"]
+        print(
+            f"tokens/s at {speed['cp_tokens']} tokens: cp=1 log-probs {cp1['logprobs']:.0f}, update "
+            f"{cp1['update']:.0f}; cp=2 log-probs {cp2['logprobs']:.0f}, update {cp2['update']:.0f}"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.json}")

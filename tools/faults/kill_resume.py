@@ -42,7 +42,16 @@ STEP_POINTS = ("phase.rollout", "phase.update", "phase.sync", "step.logged")
 ASYNC_PHASES = {"phase.rollout": "phase.wait"}
 """The async loop has no rollout phase on the main thread (a producer thread generates): it waits for a batch."""
 WORKER_POINTS = ("rollout.generate", "actor.update", "actor.sync")
-VOLATILE = ("time", "timing/", "throughput/", "memory/", "sync/seconds", "sync/engine_seconds", "async/")
+VOLATILE = (
+    "time",
+    "timing/",
+    "throughput/",
+    "memory/",
+    "sync/seconds",
+    "sync/engine_seconds",
+    "async/",
+    "rollout/engine_health_s",
+)
 """Metric keys that measure the machine, not the run (wall times, memory): not compared."""
 
 

@@ -30,9 +30,10 @@ def ensure_model(path: str, init: ModelInit | None) -> bool:
 
 def build_model_folder(init: ModelInit, out_dir: Path) -> Path:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     from megarl.data.char_tokenizer import build_char_tokenizer
+    from megarl.models.hf_config import config_from_dict
 
     config_path = Path(init.config)
     try:
@@ -46,7 +47,7 @@ def build_model_folder(init: ModelInit, out_dir: Path) -> Path:
     model_type = raw.pop("model_type", None)
     if model_type is None:
         raise UserError(f"{config_path} has no model_type")
-    hf_config = AutoConfig.for_model(model_type, **raw)
+    hf_config = config_from_dict({"model_type": model_type, **raw})  # aliases (kimi_k2) as their family's class
     torch.manual_seed(init.seed)
     model = AutoModelForCausalLM.from_config(hf_config)
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"

@@ -44,7 +44,7 @@ def load_model_config(config: JobConfig, off_machine: bool = False):
             f"model.path={config.model.path!r} does not exist; give a HF model folder or a megarl checkpoint "
             "(or model.init to build a small model there)"
         )
-    from transformers import AutoConfig
+    from megarl.models.hf_config import config_from_dict
 
     init_path = Path(config.model.init.config)
     try:
@@ -52,7 +52,7 @@ def load_model_config(config: JobConfig, off_machine: bool = False):
     except (OSError, ValueError) as err:
         raise UserError(f"model.init.config={str(init_path)!r} is not a readable config.json ({err})") from err
     raw["vocab_size"] = raw.get("vocab_size", 128)
-    return AutoConfig.for_model(raw.pop("model_type"), **raw)
+    return config_from_dict(raw)
 
 
 def used_roles(config: JobConfig) -> dict[str, RoleConfig]:

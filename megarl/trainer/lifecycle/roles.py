@@ -10,8 +10,8 @@ starts the engine on the GPU ids of its g bundles, which the driver asks the poo
 engine larger than a node takes whole nodes: its worker starts the engine's processes on the other nodes through
 one EngineNode actor per node, on that node's first bundle (megarl/workers/engine_nodes.py).
 
-A hybrid engine (rollout.hf.hybrid: colocated, one actor worker, one hf engine) has no worker: the actor's worker
-hosts it, and `roles.rollout` is a view of the actor group (megarl/workers/hybrid_worker.py).
+Hybrid engines (rollout.hf.hybrid: colocated one-GPU hf engines) have no workers: actor worker i hosts engine i,
+and `roles.rollout` is a view of the actor group (megarl/workers/hybrid_worker.py).
 """
 
 from __future__ import annotations

@@ -205,6 +205,7 @@ def _start(
     from megarl.rewards.runner import RewardRunner
     from megarl.rollout.weights_format import rollout_quantization
     from megarl.trainer.lifecycle.checkpointer import Checkpointer
+    from megarl.trainer.lifecycle.deadline_defaults import phase_timeouts
     from megarl.trainer.lifecycle.handover import Handover
     from megarl.trainer.lifecycle.roles import local_cluster, start_roles
     from megarl.trainer.lifecycle.stage_data import RunParts, restore_positions, total_steps
@@ -265,7 +266,9 @@ def _start(
         MemoryProbe(roles.processes(), config.logging.memory, every_phase=on_gpus or handover.enabled),
         evaluator,
         num_sample_logs=config.rl.num_sample_logs,
+        deadlines=phase_timeouts(config, len(data.eval_prompts) if data.eval_prompts is not None else 0),
     )
+    log.info("phase deadlines (s): %s", ", ".join(f"{name} {s:g}" for name, s in steps.deadlines.items()))
     if config.logging.plots:
         stack.callback(_plot, run_dir)
     return RunParts(config, roles, tokenizer, rewards, checkpoints, steps, handover, sync)

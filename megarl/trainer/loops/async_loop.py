@@ -34,10 +34,10 @@ from megarl.data.batch import Batch
 from megarl.data.prompts import PromptSampler
 from megarl.rewards.runner import RewardRunner
 from megarl.trainer.lifecycle.roles import Roles
-from megarl.trainer.lifecycle.run_checkpoint import TrainerState
 from megarl.trainer.loops import rl_steps
 from megarl.trainer.loops.dynamic_sampling import DynamicSampling
 from megarl.trainer.loops.steps import Steps
+from megarl.trainer.rollout_side.engine_health import check_engines
 from megarl.trainer.rollout_side.engine_sync import WeightSync
 from megarl.trainer.rollout_side.rollout_buffer import OLDEST_VERSION, RolloutBuffer, TakenBatch
 from megarl.trainer.rollout_side.rollout_producer import AgentEpisodes, EngineGroup, RolloutProducer
@@ -76,7 +76,7 @@ def run_async_rl(
     try:
         with (
             RewardRunner(config.reward) as rewards,
-            _producer(config, roles, tokenizer, steps.state, sampler, rewards) as producer,
+            _producer(config, roles, tokenizer, steps, sampler, rewards) as producer,
         ):
             while steps.state.step < rl.num_steps:
                 actor_version = steps.state.weight_version
@@ -108,8 +108,8 @@ def run_async_rl(
                             steps.state.global_step,
                         )
                     )
-                with steps.phase("sync"):
-                    metrics.update(producer.sync(sync))  # generation paused only for the sync
+                with steps.phase("sync"):  # generation paused only for the sync and the engines' health probe
+                    metrics.update(producer.sync(lambda: sync() | check_engines(roles.rollout, steps)))
                 metrics.update(staleness_metrics(taken, rl.max_staleness) | producer.take_times())
                 position.state = taken.item.data_state
                 steps.state.extra[NEXT_BATCH] = taken.item.number + 1
@@ -120,9 +120,9 @@ def run_async_rl(
 
 
 def _producer(
-    config: JobConfig, roles: Roles, tokenizer, state: TrainerState, sampler: PromptSampler, rewards: RewardRunner
+    config: JobConfig, roles: Roles, tokenizer, steps: Steps, sampler: PromptSampler, rewards: RewardRunner
 ) -> RolloutProducer:
-    rl, algorithm, sampling = config.rl, config.algorithm, config.rollout.sampling
+    rl, algorithm, sampling, state = config.rl, config.algorithm, config.rollout.sampling, steps.state
     reward_model = roles.reward_model
 
     def score(batch: Batch) -> tuple[Batch, dict[str, float]]:
@@ -135,7 +135,7 @@ def _producer(
         first = max(first, int(state.extra.get(NEXT_BATCH, first)))
     dapo = algorithm.dapo
     return RolloutProducer(
-        EngineGroup(roles.rollout),
+        EngineGroup(roles.rollout, steps.deadlines.get("rollout")),
         sampler,
         score,
         tokenizer,

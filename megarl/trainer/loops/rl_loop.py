@@ -1,6 +1,8 @@
 """The synchronous RL loop (stages grpo and ppo): generate -> reward -> log-probs -> advantages -> update -> sync.
 
-Every blocking call is visible here; the arithmetic is in megarl/algorithms, the wiring in rl_steps.py.
+Every blocking call is visible here; the arithmetic is in megarl/algorithms, the wiring in rl_steps.py. Each
+step's rollout starts with the engine health probe (rollout_side/engine_health.py), and every phase waits for its
+workers within its deadline (loops/deadlines.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from megarl.trainer.loops import rl_steps
 from megarl.trainer.loops.dynamic_sampling import KeptGroups
 from megarl.trainer.loops.steps import Steps
 from megarl.trainer.rollout_side.agent_rollout import Generator, rollout_generator
+from megarl.trainer.rollout_side.engine_health import check_engines
 from megarl.trainer.rollout_side.engine_sync import WeightSync
 from megarl.trainer.rollout_side.rollout_step import RolloutResult, draw_key, rollout_metrics
 from megarl.trainer.rollout_side.routing import routing_plan
@@ -86,10 +89,12 @@ def _rollouts(
     algorithm, sampling = config.algorithm, config.rollout.sampling
     dapo, rm_coef = algorithm.dapo, config.reward_model.coef
     kept = KeptGroups(config.rl.prompts_per_step) if dapo.dynamic_sampling else None
-    metrics, num_tokens = {}, 0
+    metrics, num_tokens, health = {}, 0, {}
     for draw in range(dapo.max_sampling_rounds if kept else 1):
         with steps.phase("rollout"):
             handover.to_rollout()  # a no-op unless the roles took the GPUs back (e.g. for a checkpoint)
+            if draw == 0:  # the engines hold their memory: each generates one token (rollout_side/engine_health.py)
+                health = check_engines(roles.rollout, steps)
             seed_step = draw_key(steps.state.global_step, draw)  # every draw of every step gets its own seeds
             rollout = generate(next(sampler), seed_step)
         with steps.phase("reward"):
@@ -103,7 +108,7 @@ def _rollouts(
                 reward_metrics |= baseline_metrics
         num_tokens += rollout.num_tokens
         if draw == 0:
-            metrics = rollout_metrics(batch) | reward_metrics | rollout.metrics
+            metrics = rollout_metrics(batch) | reward_metrics | rollout.metrics | health
         if kept is None:
             return batch, metrics, num_tokens
         if kept.add(batch):

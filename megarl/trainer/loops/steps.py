@@ -10,12 +10,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from megarl.cluster.deadline import PhaseDeadline, phase_deadline
 from megarl.data.batch import Batch
 from megarl.runtime import faults
 from megarl.trainer.config import CheckpointConfig
 from megarl.trainer.lifecycle.checkpointer import Checkpointer
 from megarl.trainer.lifecycle.handover import Handover
 from megarl.trainer.lifecycle.run_checkpoint import TrainerState
+from megarl.trainer.loops.deadlines import KEY as DEADLINES_KEY
 from megarl.trainer.loops.evaluation import Evaluator
 from megarl.trainer.observability.memory_metrics import MemoryProbe
 from megarl.trainer.observability.timing import PhaseTimer
@@ -40,16 +42,26 @@ class Steps:
     num_sample_logs: int = 0
     """Completions of each RL step written to samples.jsonl."""
     timer: PhaseTimer = field(default_factory=PhaseTimer)
+    deadlines: dict[str, float] = field(default_factory=dict)
+    """Seconds each phase may wait for its workers (run.phase_timeouts and the defaults of
+    trainer/lifecycle/deadline_defaults.py); a phase not named has no bound beyond each call's own
+    (cluster.call_timeout_s)."""
     stop_requested: bool = False
     """Set by Ctrl-C: the loop finishes the step, saves a checkpoint and returns."""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time the body as phase `name`; sample every worker's memory when it ends."""
+        """Time the body as phase `name`, within its deadline; sample every worker's memory when it ends."""
         faults.hit(f"phase.{name}")  # fault points at every phase of a step (tools/faults/kill_resume.py)
-        with self.timer.phase(name):
+        with self.timer.phase(name), self.deadline(name):
             yield
         self.memory.sample(name)
+
+    @contextmanager
+    def deadline(self, name: str) -> Iterator[PhaseDeadline | None]:
+        """Bound the body's worker calls by phase `name`'s deadline (megarl/cluster/deadline.py), untimed."""
+        with phase_deadline(name, self.deadlines.get(name), f"{DEADLINES_KEY}.{name}") as deadline:
+            yield deadline
 
     def eval_due(self, eval_every: int, num_steps: int) -> bool:
         """Whether the step now running ends with an evaluation: every `eval_every` steps and after the last."""

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import torch
 
+from megarl.cluster.deadline import PhaseTimeoutError, current_deadline
 from megarl.data.batch import Batch
 
 OLDEST_VERSION = "oldest_version"
@@ -136,13 +137,18 @@ class RolloutBuffer:
             self._cond.notify_all()
 
     def take(self, actor_version: int) -> TakenBatch:
-        """The next batch fit for an actor at `actor_version` (blocking until there is one)."""
+        """The next batch fit for an actor at `actor_version` (blocking until there is one, at most until the
+        current phase deadline: then PhaseTimeoutError, megarl/cluster/deadline.py)."""
         start = time.perf_counter()
         dropped: list[int] = []
         num_dropped_batches = 0
+        deadline = current_deadline()
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or bool(self._queue))
+                left = None if deadline is None else max(deadline.remaining(), 0.0)
+                if not self._cond.wait_for(lambda: self._closed or bool(self._queue), timeout=left):
+                    note = f"{deadline.describe()} The rollout producer delivered no batch in time."
+                    raise PhaseTimeoutError("rollout", f"producer in phase '{deadline.phase}'", {}, note, deadline)
                 if self._error is not None:
                     raise self._error
                 if not self._queue:

@@ -33,10 +33,12 @@ from typing import Any, Literal, Protocol, TypeVar
 from megarl.agents.config import AgentConfig
 from megarl.agents.environment import Environment
 from megarl.agents.episodes import run_episodes
+from megarl.cluster.deadline import phase_deadline
 from megarl.data.batch import Batch
 from megarl.data.prompts import PromptSample, PromptSampler
 from megarl.rollout.config import SamplingParams
 from megarl.rollout.engine import Completion, GenerateRequest, sample_seed
+from megarl.trainer.loops.deadlines import KEY as DEADLINES_KEY
 from megarl.trainer.loops.dynamic_sampling import DynamicSampling, KeptGroups
 from megarl.trainer.rollout_side.agent_rollout import collate_episodes
 from megarl.trainer.rollout_side.rollout_buffer import (
@@ -77,13 +79,17 @@ class Engines(Protocol):
 
 class EngineGroup:
     """The rollout worker group as `Engines`: requests split evenly among the engines (contiguous shares, as the
-    synchronous loop does; seeds make the split irrelevant to the numbers), abort broadcast to all of them."""
+    synchronous loop does; seeds make the split irrelevant to the numbers), abort broadcast to all of them. Each
+    generate call has the rollout phase's deadline (`deadline_s`; None: only the group's call limit): the producer
+    thread's own, as it is outside the trainer's phases."""
 
-    def __init__(self, group):
+    def __init__(self, group, deadline_s: float | None = None):
         self.group = group
+        self.deadline_s = deadline_s
 
     def generate(self, requests: list[GenerateRequest], sampling: SamplingParams) -> list[list[Completion]]:
-        return generate_on_engines(self.group, requests, sampling)
+        with phase_deadline("rollout", self.deadline_s, f"{DEADLINES_KEY}.rollout"):
+            return generate_on_engines(self.group, requests, sampling)
 
     def abort(self) -> None:
         self.group.call("abort", timeout_s=60)

@@ -18,9 +18,15 @@ def forward_only(
     Micro-batches must share one shape ([batch, seq] in "input_ids"), since pipeline messages have a fixed size
     per call. Returns the last stage's outputs, one per micro-batch; other stages get [].
     """
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megarl.models.context_parallel import padded_tokens
+
     batch_size, seq_length = micro_batches[0]["input_ids"].shape
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:  # the schedule's message: this rank's share of the padded tokens (megarl/models/context_parallel.py)
+        batch_size, seq_length = 1, padded_tokens(micro_batches[0], cp)
 
     def step(data_iterator, model):
         return forward(model, next(data_iterator)), None  # no loss function: the schedule collects outputs
@@ -39,7 +45,14 @@ def forward_only(
 
 
 def gpt_forward(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A GPT model's forward on token ids with causal attention; vocab-parallel logits on the last stage."""
+    """A GPT model's forward on token ids with causal attention; vocab-parallel logits on the last stage (with
+    context parallelism: every token's, gathered over the CP ranks)."""
+    from megarl.models.context_parallel import context_split, forward_split
+
+    split = context_split(batch)
+    if split is not None:
+        output = forward_split(model, batch, split)
+        return split.gather_tokens(output) if getattr(model, "post_process", False) else output
     input_ids = batch["input_ids"]
     position_ids = batch.get("position_ids")
     if position_ids is None:
