@@ -254,8 +254,8 @@ class JobConfig:
         return bool(self.rl_stages) and self.algorithm.needs_teacher()
 
     def hybrid_engine(self) -> bool:
-        """Whether the hf engine runs inside the actor's worker (rollout.hf.hybrid); `on` where it cannot is a
-        UserError naming what rules it out."""
+        """Whether the hf engines run inside the actor's workers, engine i in worker i (rollout.hf.hybrid); `on`
+        where they cannot is a UserError naming what rules it out."""
         choice, rollout, placement = self.rollout.hf.hybrid, self.rollout, self.placement
         if choice == "off" or not self.rl_stages:
             return False
@@ -271,7 +271,7 @@ class JobConfig:
         ]
         if blockers and choice == "on":
             raise UserError(
-                "rollout.hf.hybrid=on runs the engine inside the one actor worker, which this job rules out: "
+                "rollout.hf.hybrid=on runs each engine inside an actor worker, which this job rules out: "
                 f"{'; '.join(blockers)}; use rollout.hf.hybrid=auto or off"
             )
         # auto: on this machine's CPUs only (a local Ray instance, no CUDA): the hybrid has not run on a GPU yet
