@@ -192,26 +192,34 @@ def relay_weights(buckets: Iterable[Bucket], route: SyncRoute, state, keep_sampl
         client.update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=False)
 
     serializer = sglang_serializer if cuda else pickle_serializer
+    sent = relay_each(buckets, device, lambda part: post_to_engine(part, groups, post, serializer), keep_samples)
+    if cuda:
+        torch.cuda.ipc_collect()
+    return sent | {"ipc_engines": 1.0, "in_process_engines": 0.0}
+
+
+def relay_each(
+    buckets: Iterable[Bucket], device: torch.device, deliver: Callable[[FlatBucket], None], keep_samples: bool
+) -> dict:
+    """Collective over the actor: `relay_buckets`, each bucket handed to `deliver` on every rank. Returns {"bytes",
+    "tensors", "buckets", "samples"} of what this rank owned: each tensor counted (and its norm weights sampled,
+    when `keep_samples`) once, on its owner."""
     verify = re.compile(VERIFY_PATTERN)
     samples: Bucket = []
     sent_bytes = sent_tensors = num_buckets = 0
     for part, mine in relay_buckets(buckets, device):
-        post_to_engine(part, groups, post, serializer)
-        if mine:  # each tensor counted (and sampled) once, on its owner
+        deliver(part)
+        if mine:
             named = unflatten(part)
             sent_bytes += part.nbytes
             sent_tensors += len(named)
             num_buckets += 1
             if keep_samples:
                 samples += [(name, t.detach().cpu().clone()) for name, t in named if verify.search(name)]
-    if cuda:
-        torch.cuda.ipc_collect()
     return {
         "bytes": float(sent_bytes),
         "tensors": float(sent_tensors),
         "buckets": float(num_buckets),
-        "ipc_engines": 1.0,
-        "in_process_engines": 0.0,
         "samples": samples,
     }
 

@@ -43,7 +43,7 @@ from megarl.rollout.engine import VERIFY_PATTERN, Bucket
 from megarl.rollout.sglang_weights import unflatten
 from megarl.runtime import faults
 from megarl.workers.bucket_transport import device_uuid, pack_bucket, pack_bucket_ipc
-from megarl.workers.ipc_relay import relay_buckets, relay_weights
+from megarl.workers.ipc_relay import relay_each, relay_weights
 from megarl.workers.sync_route import SyncRoute
 from megarl.workers.weight_delta import DeltaEncoder, delta_to_bucket
 
@@ -146,32 +146,12 @@ def _exported(model: LoadedModel, bucket_bytes: int, fp8: BlockFP8 | None):
 def _relay_in_process(buckets, state: SenderState, keep_samples: bool) -> dict:
     """The in_process road with several actor workers, each hosting one engine (a hybrid engine at TP, PP or EP
     > 1): every bucket, whichever rank exports it, is broadcast to every rank in the relay's global order
-    (ipc_relay.relay_buckets: no two broadcasts can cross), and each rank copies it into its own engine. Each tensor
-    is counted and sampled once, on its owner."""
+    (ipc_relay.relay_each: no two broadcasts can cross), and each rank copies it into its own engine."""
     if state.local_engine is None:
         raise RuntimeError("rollout.weight_sync in_process: this actor worker hosts no engine (hybrid_worker.py)")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    verify = re.compile(VERIFY_PATTERN)
-    samples: Bucket = []
-    sent_bytes = sent_tensors = num_buckets = 0
-    for part, mine in relay_buckets(buckets, device):
-        named = unflatten(part)
-        state.local_engine(named)
-        if mine:
-            sent_bytes += part.nbytes
-            sent_tensors += len(named)
-            num_buckets += 1
-            if keep_samples:
-                samples += [(name, t.detach().cpu().clone()) for name, t in named if verify.search(name)]
-    return {
-        "bytes": float(sent_bytes),
-        "full_bytes": float(sent_bytes),
-        "tensors": float(sent_tensors),
-        "buckets": float(num_buckets),
-        "ipc_engines": 0.0,
-        "in_process_engines": 1.0,
-        "samples": samples,
-    }
+    sent = relay_each(buckets, device, lambda part: state.local_engine(unflatten(part)), keep_samples)
+    return sent | {"full_bytes": sent["bytes"], "ipc_engines": 0.0, "in_process_engines": 1.0}
 
 
 def close_sender(state: SenderState) -> None:
