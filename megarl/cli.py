@@ -154,14 +154,24 @@ _TRAINED = False
 def _run_train(args: argparse.Namespace) -> int:
     from megarl.config import load_config
     from megarl.job import JobConfig
-    from megarl.trainer.lifecycle.run import dry_run, train
 
     if args.dry_run:  # like `megarl plan`, also where the data files exist only on the cluster
         from megarl.plan_command import load_for_planning
+        from megarl.trainer.lifecycle.run import dry_run
 
         config, notes = load_for_planning(args.config, args.overrides)
         return dry_run(config, notes)
-    code = train(load_config(JobConfig, args.config, args.overrides))
+    config = load_config(JobConfig, args.config, args.overrides)
+    from megarl.trainer.lifecycle.ray_start import early_ray_start
+
+    ray_start = early_ray_start(config)
+    try:
+        from megarl.trainer.lifecycle.run import train  # imports torch while Ray boots
+
+        code = train(config, ray_start)
+    finally:
+        if ray_start is not None:
+            ray_start.close()
     global _TRAINED
     _TRAINED = True
     return code

@@ -8,13 +8,14 @@ GPUs against the cluster) run in the trainer's pre-flight, still before Ray star
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from megarl.agents.config import AgentConfig
 from megarl.algorithms.config import AlgorithmConfig
-from megarl.cluster.config import ClusterConfig
+from megarl.cluster.config import ClusterConfig, cuda_available
 from megarl.config.paths import path_field
 from megarl.data.config import PromptDataConfig
 from megarl.errors import UserError
@@ -275,7 +276,16 @@ class JobConfig:
                 f"{'; '.join(blockers)}; use rollout.hf.hybrid=auto or off"
             )
         # auto: on this machine's CPUs only (a local Ray instance, no CUDA): the hybrid has not run on a GPU yet
-        return not blockers and (choice == "on" or (self.cluster.is_local and not _cuda_here()))
+        return not blockers and (choice == "on" or (self.cluster.is_local and not cuda_available()))
+
+    def ray_cluster(self) -> ClusterConfig:
+        """The cluster settings to start Ray with: a local instance without GPUs announces as many logical GPUs as
+        the placement needs (placement groups and bundles then work exactly as on a GPU node)."""
+        cluster = self.cluster
+        if not cluster.is_local or cluster.logical_gpus is not None or cuda_available():
+            return cluster
+        needed = self.placement.train_gpus + self.placement.rollout_gpus
+        return dataclasses.replace(cluster, logical_gpus=needed, gpus_per_node=needed)
 
     def weight_sync_transport(self) -> str:
         """rollout.weight_sync resolved for this job's placement and actor layout (megarl/rollout/transports.py);
@@ -284,16 +294,10 @@ class JobConfig:
 
         if self.hybrid_engine():
             return "in_process"
-        parallel = self.actor.model.parallel
         per_node, per_engine = self.cluster.gpus_per_node, self.rollout.gpus_per_engine
         engine_nodes = per_engine // per_node if per_node and per_engine > per_node else 1
         return resolve_weight_sync(
-            self.rollout.weight_sync,
-            self.rollout.backend,
-            self.placement.mode,
-            parallel.pp,
-            parallel.ep,
-            engine_nodes=engine_nodes,
+            self.rollout.weight_sync, self.rollout.backend, self.placement.mode, engine_nodes=engine_nodes
         )
 
     def check(self, key: str) -> None:
@@ -369,9 +373,3 @@ class JobConfig:
                     f"teacher.train.config={teacher.train.config!r} trains no actor (run.stages={job.run.stages}): "
                     "the teacher is the actor of that job; give it an sft, grpo or ppo stage"
                 )
-
-
-def _cuda_here() -> bool:
-    import torch  # here only: the config package itself stays light
-
-    return torch.cuda.is_available()

@@ -24,6 +24,31 @@ import torch
 from megarl.rollout.sglang_engine import sglang_checksum
 
 
+class QuietHandler(BaseHTTPRequestHandler):
+    """A request handler that logs nothing and answers JSON (or text) with a status."""
+
+    def reply(self, status: int, answer: Any) -> None:
+        data = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
+        with contextlib.suppress(ConnectionError):  # the client may have timed out already
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain" if isinstance(answer, str) else "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def serve(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, str, threading.Thread]:
+    """`handler` on a free port of 127.0.0.1, served by a daemon thread: (the server, its URL, the thread)."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}", thread
+
+
 class FakeSGLang:
     """The endpoints SGLangEngine uses, answering as SGLang does. `calls` records (path, body) in order."""
 
@@ -41,7 +66,7 @@ class FakeSGLang:
         """(decoder layers, MoE layers, top-k) of the model served: routed experts returned when asked for."""
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self):
                 self._serve(None)
 
@@ -53,23 +78,9 @@ class FakeSGLang:
                 path = self.path.split("?")[0]
                 fake.calls.append((path, body))
                 time.sleep(fake.delay.get(path, 0.0))
-                status, answer = fake.validate(path, body) or fake.route(path, body)
-                data = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
-                with contextlib.suppress(ConnectionError):  # the client may have timed out already
-                    self.send_response(status)
-                    self.send_header("Content-Type", "text/plain" if isinstance(answer, str) else "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
+                self.reply(*(fake.validate(path, body) or fake.route(path, body)))
 
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
+        self.httpd, self.url, self.thread = serve(Handler)
 
     def close(self) -> None:
         self.httpd.shutdown()

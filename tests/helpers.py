@@ -163,7 +163,7 @@ def hf_routing(folder: Path, input_ids: torch.Tensor) -> dict[int, torch.Tensor]
         maps[layer_id] = routing.scatter_(1, indices, True)
 
     for name, module in model.named_modules():
-        match = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.gate", name)
+        match = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.(gate|router)", name)  # gpt-oss: router
         if match:
             module.register_forward_hook(functools.partial(record, int(match.group(1))))
     with torch.no_grad():

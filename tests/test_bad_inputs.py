@@ -227,11 +227,10 @@ CASES = [
         config="rollout: {weight_sync: ipc}\nplacement: {mode: split, rollout_gpus: 1}\n",
     ),
     Case(
-        "nccl weight sync from a pipeline",
+        "nccl weight sync into colocated engines",
         TRAIN,
-        ["rollout.weight_sync=nccl takes one sending rank", "pp=2"],
-        config="rollout: {backend: sglang, weight_sync: nccl}\nplacement: {mode: split, rollout_gpus: 1}\n"
-        "actor: {model: {parallel: {tp: 1, pp: 2}}}\n",
+        ["rollout.weight_sync=nccl is for engines on GPUs of their own", "colocated: ipc"],
+        config="rollout: {backend: sglang, weight_sync: nccl}\n",
     ),
     Case(
         "in-place pause",

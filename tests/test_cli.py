@@ -73,7 +73,7 @@ CASES = {
     "unsupported model_type": (
         lambda s: set_config(s, model_type="gpt2") or s,
         [],
-        ["model_type='gpt2' is not supported", "deepseek_v3, glm4_moe, kimi_k2, llama, mixtral"],
+        ["model_type='gpt2' is not supported", "deepseek_v3, glm4_moe, gpt_oss, kimi_k2, llama, mixtral"],
     ),
     "tp does not divide heads": (
         lambda s: s,
@@ -233,8 +233,9 @@ def test_console_script_round_trip_with_overwrite(hf_checkpoint, tmp_path):
     [
         ("tiny-llama", ["--pp", "2", "--pp-first-stage-layers", "1"], 2),  # uneven stages
         ("tiny-glm4-moe", ["--ep", "2"], 2),  # sigmoid routing, shared experts, partial RoPE, qk-norm, q/k/v biases
+        ("tiny-gpt-oss", ["--tp", "2", "--etp", "1"], 2),  # sinks, sliding windows, YaRN, clamped SwiGLU, biases
     ],
-    ids=["dense-pp2-uneven", "glm4-moe-ep2"],
+    ids=["dense-pp2-uneven", "glm4-moe-ep2", "gpt-oss-tp2"],
 )
 def test_convert_verify_checks_the_written_layout_against_transformers(hf_checkpoint, tmp_path, name, layout, ranks):
     src, dst = hf_checkpoint(name), tmp_path / "mcore"

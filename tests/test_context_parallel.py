@@ -126,7 +126,7 @@ def _id(layout: ParallelConfig) -> str:
     return layout_id(layout) + f"-cp{layout.cp}"
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-gpt-oss"])  # gpt-oss: windows, sinks
 def test_moe_and_mla_equal_cp1(ranks4, hf_checkpoint, name):
     """A mixture-of-experts model, also with expert parallelism (CPU: the allgather dispatcher, fixed shapes agreed
     over the ranks), and DeepSeek's Multi-head Latent Attention (with YaRN RoPE and MoE layers)."""

@@ -192,6 +192,12 @@ class FakeGroup:
     def _join(self):
         pass
 
+    def keep_setup(self, *args):  # EngineFleet: what each engine's setup got, to start one again
+        pass
+
+    def started(self, results):
+        pass
+
     def shutdown(self):
         pass
 
@@ -214,6 +220,7 @@ def start_fake_roles(monkeypatch, tmp_path, gpus_per_engine: int):
     pool.bundle_gpu_ids = bundle_gpu_ids
     monkeypatch.setattr(roles_module, "_pool", lambda *args: pool)
     monkeypatch.setattr(roles_module, "WorkerGroup", FakeGroup)
+    monkeypatch.setattr(roles_module, "EngineFleet", lambda pool, role, **kwargs: FakeGroup(None, pool, role, **kwargs))
     return roles_module.start_roles(config, rl_optimizer_steps=1), pool, config
 
 

@@ -351,19 +351,19 @@ def test_a_failure_on_the_sender_thread_fails_the_sync_and_stops_sending(monkeyp
 
 
 @pytest.mark.parametrize(
-    ("choice", "mode", "pp", "nodes", "expected"),
+    ("choice", "mode", "nodes", "expected"),
     [
-        ("auto", "colocated", 1, 1, "ipc"),
-        ("auto", "colocated", 4, 4, "ipc_relay"),  # the 671B layout
-        ("auto", "split", 1, 2, "nccl"),  # one sender broadcasts to every rank of every node
-        ("auto", "split", 4, 2, "disk"),
-        ("disk", "split", 1, 1, "disk"),
+        ("auto", "colocated", 1, "ipc"),
+        ("auto", "colocated", 4, "ipc_relay"),  # the 671B layout
+        ("auto", "split", 1, "nccl"),  # every sender broadcasts, in turns, to every rank of every engine
+        ("auto", "split", 2, "nccl"),
+        ("disk", "split", 1, "disk"),
     ],
 )
-def test_transport_for_engines_across_nodes(choice, mode, pp, nodes, expected):
+def test_transport_for_engines_across_nodes(choice, mode, nodes, expected):
     from megarl.rollout.transports import resolve_weight_sync
 
-    assert resolve_weight_sync(choice, "sglang", mode, pp, 1, engine_nodes=nodes) == expected
+    assert resolve_weight_sync(choice, "sglang", mode, engine_nodes=nodes) == expected
 
 
 def test_roads_that_reach_one_node_are_refused_for_engines_across_nodes():
@@ -372,9 +372,9 @@ def test_roads_that_reach_one_node_are_refused_for_engines_across_nodes():
 
     with pytest.raises(UserError, match=r"^rollout.weight_sync=object_store reaches only the GPUs of one node, and "
                        r"each rollout engine spans 4 nodes; use disk, ipc"):  # fmt: skip
-        resolve_weight_sync("object_store", "sglang", "colocated", 4, 8, engine_nodes=4)
+        resolve_weight_sync("object_store", "sglang", "colocated", engine_nodes=4)
     with pytest.raises(UserError, match=r"^rollout.weight_sync=ipc across nodes is the per-node relay into SGLang"):
-        resolve_weight_sync("ipc", "hf", "colocated", 1, 1, engine_nodes=2)
-    assert resolve_weight_sync("ipc", "sglang", "colocated", 16, 8, engine_nodes=4) == "ipc_relay"
+        resolve_weight_sync("ipc", "hf", "colocated", engine_nodes=2)
+    assert resolve_weight_sync("ipc", "sglang", "colocated", engine_nodes=4) == "ipc_relay"
     with pytest.raises(UserError, match=r"valid are auto, ipc, nccl, object_store, disk$"):
-        resolve_weight_sync("rdma", "sglang", "colocated", 1, 1)
+        resolve_weight_sync("rdma", "sglang", "colocated")

@@ -27,6 +27,7 @@ ARCHITECTURES = [
     "tiny-deepseek-v3",  # MLA, shared experts, first dense layer, expert-selection bias
     "tiny-deepseek-v3-lite",
     "tiny-glm4-moe",  # DeepSeek-V3's MoE behind q/k/v biases and qk-norm
+    "tiny-gpt-oss",  # experts stacked in the checkpoint (mlp.experts.gate_up_proj [experts, ...]), sinks, biases
 ]
 
 

@@ -28,6 +28,7 @@ def test_the_gpu_configs_are_shipped():
     assert {p.name for p in CONFIGS} >= {
         "grpo_deepseek_v3_671b.yaml",
         "grpo_qwen2.5_7b_gsm8k.yaml",
+        "grpo_qwen3_30b_a3b_64k.yaml",
         "ppo_llama3_8b.yaml",
     }
 
@@ -136,3 +137,84 @@ def test_the_671b_plan_uses_uneven_stages_fp8_rollout_and_the_ipc_relay():
         ],
     )
     assert 1.4e12 < run_plan(slime).host_bytes_per_node < 1.6e12  # TB as reported: 10^12 bytes
+
+
+# ---- the 64k-episode config: context parallelism and the KV cache, by hand ------------------------------------------
+
+LONG = Path(__file__).resolve().parents[1] / "configs" / "grpo_qwen3_30b_a3b_64k.yaml"
+
+
+def test_the_64k_plan_by_hand():
+    """Qwen3-30B-A3B (h 2048, 32 heads, 4 KV heads of 128, qk-norm, 48 MoE layers of 128 experts, top 8, expert
+    width 768, vocabulary 151936) with 2048 + 63488 = 65536-token episodes, at tp 2 (sequence parallel), cp 4,
+    ep 8, full recomputation, log-probs in 4096-token chunks (megarl/plan/activations.py's formula)."""
+    planned, _ = load_for_planning(LONG)
+    report = run_plan(planned)
+    assert report.fits, report.render()
+    actor, ref, rollout = (report.role(name).detail for name in ("actor", "ref", "rollout"))
+    assert actor.train_tokens == actor.forward_tokens == ref.forward_tokens == 65536  # one episode, whole
+    tokens = 65536 // 4  # per CP rank
+    attention = 2 * 2048 / 2 + (2 * 32 + 2 * 4) * 128 / 2 + (32 + 4) * 128 / 2  # 8960 elements per token
+    moe = 2 * 2048 / 2 + 4 * 128 + 8 * (2 * 2048 + 3 * 768) / 2  # 28160
+    layer = (attention + moe) * tokens * 2  # bf16
+    kept = 48 * 2048 / 2 * tokens * 2  # recomputation keeps each layer's input
+    logits = 4096 * 152064 / 2 * 16  # one chunk of the vocabulary padded to 128 x tp, over tp
+    assert actor.activation_bytes == kept + 2 * layer + logits  # 8.4 GB
+    assert ref.activation_bytes == layer + logits  # 5.8 GB: forward only
+    # the same episode at cp 1: every per-token term 4 times larger, the chunked head unchanged
+    cp1, _ = load_for_planning(LONG, ["actor.model.parallel.cp=1", "ref.model.parallel.cp=1"])
+    whole = run_plan(cp1).role("actor").detail
+    assert whole.activation_bytes == 4 * (kept + 2 * layer) + logits
+    # unchunked, the head's logits of all 16k tokens of a rank
+    unchunked, _ = load_for_planning(LONG, ["actor.micro_batch.logprob_chunk_tokens=0"])
+    assert run_plan(unchunked).role("actor").detail.activation_bytes == kept + 2 * layer + tokens * 152064 / 2 * 16
+    # rollout: tp 4 engines, one of the 4 KV heads per GPU: 2 x 48 layers x 128 x 2 bytes = 24 KB per token
+    assert rollout.kv_bytes_per_token == 2 * 48 * 1 * 128 * 2
+    assert rollout.kv_bytes == 0.7 * 80 * 2**30 - rollout.weight_bytes
+    assert rollout.token_capacity == int(rollout.kv_bytes // 24576)
+    assert rollout.token_capacity // 65536 == 27  # 64k episodes held at once per engine
+    assert not [note for note in report.notes if "context window" in note]  # YaRN: a 131072-token window
+
+
+def test_a_64k_episode_past_the_context_window_is_noted(tmp_path):
+    """The published config.json (40960 positions, no YaRN): SGLang would end the episodes at 40960 tokens."""
+    import json
+
+    published = json.loads((LONG.parent / "models" / "qwen3-30b-a3b-yarn131k.json").read_text())
+    published.update(max_position_embeddings=40960, rope_scaling=None)
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    planned, _ = load_for_planning(LONG, [f"plan.model_config={tmp_path / 'config.json'}"])
+    notes = [note for note in run_plan(planned).notes if "context window" in note]
+    assert notes == [
+        "the longest sample (65536 tokens: data.max_prompt_tokens + agent.max_total_tokens) is longer than the "
+        "engines' context window (40960 tokens): SGLang ends such samples at 40960; extend the model with YaRN "
+        "(rope_scaling and max_position_embeddings in config.json: docs/long_context.md)"
+    ]
+    planned, _ = load_for_planning(
+        LONG, [f"plan.model_config={tmp_path / 'config.json'}", "rollout.sglang.context_length=65536"]
+    )
+    assert [note for note in run_plan(planned).notes if "context" in note] == [
+        "rollout.sglang.context_length=65536 is above the model's context window (40960 tokens from config.json): "
+        "SGLang refuses to start unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1; extend the model with YaRN "
+        "instead (docs/long_context.md)"
+    ]
+
+
+@pytest.mark.parametrize("yarn", [True, False], ids=["yarn-131k", "published"])
+def test_the_planned_context_window_is_sglangs(tmp_path, yarn):
+    """The window the plan reads from the 64k config's model (megarl/rollout/sglang_model.py) is SGLang's own:
+    131072 with YaRN and max_position_embeddings raised, 40960 for the published config.json."""
+    import json
+
+    import sglang_contract
+    from transformers import AutoConfig
+
+    from megarl.rollout.sglang_model import context_window
+
+    common = sglang_contract.sglang_module("sglang.srt.utils.hf_transformers.common")
+    raw = json.loads((LONG.parent / "models" / "qwen3-30b-a3b-yarn131k.json").read_text())
+    if not yarn:
+        raw.update(max_position_embeddings=40960, rope_scaling=None)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    expected = common.get_context_length(AutoConfig.from_pretrained(tmp_path))
+    assert context_window(raw) == expected == (131072 if yarn else 40960)

@@ -127,7 +127,8 @@ def test_a_hung_engine_then_a_hung_update_stop_at_their_deadlines_naming_phase_r
     config, _, _ = uninterrupted
     hangs = "hang:rollout.generate:3,hang:actor.update:2"
     faults = {"MEGARL_FAULTS": hangs, "MEGARL_FAULTS_ONCE": str(tmp_path / "once")}
-    split = ["placement.mode=split", "placement.rollout_gpus=1"]  # the engine in a worker of its own
+    # the engine in a worker of its own; a hung engine restarts the run, not itself (test_engine_restart.py)
+    split = ["placement.mode=split", "placement.rollout_gpus=1", "rollout.max_engine_restarts=0"]
     deadlines = "run.phase_timeouts={rollout: 20, update: 20}"
     start = time.monotonic()
     out = megarl_train(config, f"run.dir={tmp_path / 'run'}", *SMALL, *split, deadlines, env=faults, check=False)

@@ -36,7 +36,9 @@ def _gather_rows(results, name: str) -> torch.Tensor:
     "name, layout",
     [pytest.param(n, layout, id=f"{n}-{layout_id(layout)}") for n in ARCHITECTURES for layout in LAYOUTS]
     # GLM-4.5: DeepSeek-V3's router behind grouped-query attention, at one layout
-    + [pytest.param("tiny-glm4-moe", P(pp=2, ep=2), id="tiny-glm4-moe-tp1-pp2-ep2")],
+    + [pytest.param("tiny-glm4-moe", P(pp=2, ep=2), id="tiny-glm4-moe-tp1-pp2-ep2")]
+    # gpt-oss: a router with a bias, softmax over the top-k logits
+    + [pytest.param("tiny-gpt-oss", P(pp=2, ep=2), id="tiny-gpt-oss-tp1-pp2-ep2")],
 )
 def test_replay_forces_the_given_experts_and_record_gives_the_hf_routing(ranks4, hf_checkpoint, name, layout):
     folder = hf_checkpoint(name)

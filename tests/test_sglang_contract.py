@@ -182,7 +182,8 @@ def test_update_weights_from_tensor_body_carries_bytes_per_rank():
 # ---- tensor names: SGLang's model classes load every tensor megarl exports ------------------------------------------
 
 ARCHITECTURES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe-all-sparse",
-                 "tiny-deepseek-v3", "tiny-deepseek-v3-lite", "tiny-glm4-moe", "tiny-kimi-k2"]  # fmt: skip
+                 "tiny-deepseek-v3", "tiny-deepseek-v3-lite", "tiny-glm4-moe", "tiny-kimi-k2",
+                 "tiny-gpt-oss"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -171,7 +171,7 @@ def test_a_stop_signal_while_the_run_starts_stops_it_through_its_clean_up(monkey
 
     cleaned = []
 
-    def starting(config):
+    def starting(config, ray_start=None):
         try:
             os.kill(os.getpid(), signal.SIGUSR1)  # arrives while the roles start
             raise AssertionError("the signal did not stop the start")

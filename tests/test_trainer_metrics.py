@@ -213,8 +213,8 @@ def test_logging_config_check_catches_missing_wandb_early():
         WandbConfig(enabled=True).check("logging.wandb")
 
 
-def test_should_plot_every_n_steps_and_at_the_end():
-    config = LoggingConfig(plot_every=10)
-    assert [s for s in range(1, 26) if config.should_plot(s, last_step=25)] == [10, 20, 25]
-    assert [s for s in range(1, 26) if LoggingConfig(plot_every=0).should_plot(s, 25)] == [25]
-    assert not LoggingConfig(plots=False).should_plot(25, 25)
+def test_should_plot_every_n_steps_while_the_run_goes_on():
+    """Mid-run redraws (the end of the run always draws): every plot_every steps, none with 0 or plots=false."""
+    assert [s for s in range(1, 26) if LoggingConfig(plot_every=10).should_plot(s)] == [10, 20]
+    assert [s for s in range(1, 26) if LoggingConfig(plot_every=0).should_plot(s)] == []
+    assert [s for s in range(1, 26) if LoggingConfig(plots=False).should_plot(s)] == []

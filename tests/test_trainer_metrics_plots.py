@@ -176,7 +176,67 @@ def test_background_plotter_draws_off_the_loop_and_once_more_at_close(tmp_path, 
     assert (tmp_path / "plots" / "reward.png").exists()
 
 
+def test_finish_draws_once_more_after_the_redraw_under_way_and_close_waits_for_it(tmp_path, monkeypatch):
+    """The end of a run: `finish` (first at shutdown) draws in the background after any mid-run redraw, so the
+    last steps are in the plots; `close(final=False)` (last at shutdown) waits for that drawing."""
+    write_small_run(tmp_path)
+    release = threading.Event()
+    calls = []
+
+    def slow_plot_run(run_dir, out_dir=None):
+        calls.append(len(calls))
+        if len(calls) == 1:
+            release.wait(timeout=10)  # the mid-run redraw is still under way when the run ends
+        return plot_run(run_dir, out_dir)
+
+    monkeypatch.setattr("megarl.trainer.observability.plots.plot_run", slow_plot_run)
+    plotter = BackgroundPlotter(tmp_path)
+    assert plotter.request()
+    plotter.finish()
+    assert calls == [0]  # the final drawing waits for the one under way
+    release.set()
+    assert plotter.close(final=False) == []
+    assert calls == [0, 1] and (tmp_path / "plots" / "overview.png").exists()
+
+
 def test_background_plotter_logs_a_failure_instead_of_raising(tmp_path, caplog):
     plotter = BackgroundPlotter(tmp_path / "missing")
     assert plotter.close() == []
     assert "drawing the plots of" in caplog.text
+
+
+def test_a_run_redraws_its_plots_every_plot_every_steps_but_not_after_its_last(tmp_path):
+    """logging.plot_every: the step loop (Steps.end) asks the background plotter for a redraw after every
+    plot_every-th step; the last step is left to the final drawing at the run's end."""
+    from types import SimpleNamespace
+
+    from megarl.trainer.config import CheckpointConfig
+    from megarl.trainer.lifecycle.run_checkpoint import TrainerState
+    from megarl.trainer.loops.steps import Steps
+    from megarl.trainer.observability.logging_config import LoggingConfig
+    from megarl.trainer.observability.memory_metrics import MemoryProbe
+    from megarl.trainer.observability.metrics import NullLogger
+
+    class CountingPlotter:
+        def __init__(self):
+            self.requested_at: list[int] = []
+
+        def request(self) -> bool:
+            self.requested_at.append(steps.state.global_step)
+            return True
+
+    plotter = CountingPlotter()
+    steps = Steps(
+        TrainerState(),
+        NullLogger(),
+        SimpleNamespace(update=lambda step, metrics: None),
+        checkpointer=None,
+        checkpoint=CheckpointConfig(every=0),
+        handover=SimpleNamespace(calls=[]),
+        memory=MemoryProbe([], enabled=False),
+        plots=plotter,
+        should_plot=LoggingConfig(plot_every=3).should_plot,
+    )
+    for _ in range(9):
+        steps.end({}, num_steps=9, samplers={})
+    assert plotter.requested_at == [3, 6]

@@ -9,7 +9,8 @@ from job_helpers import megarl_train, metrics, write_config
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("mode", "replayed", "model"), [("old_logprob", 1.0, "tiny-qwen3-moe"), ("off", 0.0, "tiny-glm4-moe")]
+    ("mode", "replayed", "model"),
+    [("old_logprob", 1.0, "tiny-qwen3-moe"), ("off", 0.0, "tiny-glm4-moe"), ("rollout", 1.0, "tiny-gpt-oss")],
 )
 def test_routing_replay_modes_log_agreement_and_replayed_fraction(tmp_path, mode, replayed, model):
     """routing_replay: rollout (the engine's experts) runs in tests/test_examples.py (configs/quickstart_moe.yaml,

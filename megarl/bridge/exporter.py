@@ -3,19 +3,22 @@
 Contract (docs/architecture.md, Export stream): the union of the buckets over all sending ranks is exactly the HF
 checkpoint, each tensor once, in its HF dtype. TP shards are gathered to the TP group's first rank, which sends; each
 pipeline stage sends its own layers; each expert-parallel rank sends its own experts (gathered over expert TP); tensors
-an engine fuses at load time share a bucket (Architecture.load_groups). Of the replicas holding the same weights, only
-the first takes part: data-parallel (and context-parallel) rank 0 for dense weights, expert-data-parallel rank 0 for
-experts. Memory beyond the model: one bucket plus the tensor being gathered.
+an engine fuses at load time share a bucket (Architecture.load_groups); a tensor stacked over experts (gpt-oss) is sent
+whole, by the first expert-parallel rank, which gathers the other ranks' experts for it. Of the replicas holding the
+same weights, only the first takes part: data-parallel (and context-parallel) rank 0 for dense weights,
+expert-data-parallel rank 0 for experts. Memory beyond the model: one bucket plus the tensor being gathered (a stacked
+tensor: all of it, on the first expert-parallel rank).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megarl.bridge.buckets import DEFAULT_BUCKET_BYTES, Bucket, BucketBuilder, travel_groups
+from megarl.bridge.mappings import stacked_row
 from megarl.bridge.model_bridge import Binding, ModelBridge
 
 
@@ -56,6 +59,54 @@ class _Roles:
         return self.expert if binding.expert else self.dense
 
 
+class _StackedTensors:
+    """Rows of tensors stacked over experts (`name[i]`) joined into the whole tensor: this rank's rows once all have
+    come, then the expert-parallel group's, on its first rank (the others send it theirs and yield nothing).
+    Megatron numbers experts by EP rank (rank r holds a contiguous run), so the whole is the ranks' runs in order.
+    Every rank of the group finishes a tensor at the same binding: the point-to-point sends stay matched."""
+
+    def __init__(self, bindings: Sequence[Binding]):
+        self.local_rows: dict[str, int] = {}
+        for binding in bindings:
+            for row in filter(None, map(stacked_row, binding.hf_names if binding.mapping.export else ())):
+                self.local_rows[row[0]] = self.local_rows.get(row[0], 0) + 1
+        self._rows: dict[str, dict[int, torch.Tensor]] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        row = stacked_row(name)
+        if row is None:
+            yield name, tensor
+            return
+        rows = self._rows.setdefault(row[0], {})
+        rows[row[1]] = tensor
+        if len(rows) < self.local_rows[row[0]]:
+            return
+        del self._rows[row[0]]
+        whole = self._gather(row[0], rows)
+        if whole is not None:
+            yield row[0], whole
+
+    def _gather(self, name: str, rows: dict[int, torch.Tensor]) -> torch.Tensor | None:
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_expert_model_parallel_group()
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        count = len(rows)
+        if sorted(rows) != list(range(rank * count, (rank + 1) * count)):
+            raise RuntimeError(f"{name}: EP rank {rank} holds rows {sorted(rows)}, not a run of {count} in rank order")
+        local = torch.stack([rows[i] for i in sorted(rows)])
+        if size == 1:
+            return local
+        if rank != 0:
+            dist.send(local, dst=dist.get_global_rank(group, 0), group=group)
+            return None
+        parts = [local]
+        for group_rank in range(1, size):
+            parts.append(torch.empty_like(local))
+            dist.recv(parts[-1], src=dist.get_global_rank(group, group_rank), group=group)
+        return torch.cat(parts)
+
+
 def export_hf_weights(
     bridge: ModelBridge,
     hf_dtypes: torch.dtype | Mapping[str, torch.dtype],
@@ -70,6 +121,7 @@ def export_hf_weights(
     roles = _Roles()
     dtype_of = _dtype_lookup(hf_dtypes)
     builder = BucketBuilder(bucket_bytes, travel_groups(bridge.hf_names(exported_only=True), bridge.load_groups))
+    stacked = _StackedTensors(bridge.bindings)
     for binding in bridge.bindings:
         participates, group = roles.of(binding)
         if not binding.mapping.export or not participates:
@@ -78,8 +130,9 @@ def export_hf_weights(
         shards = _gather_shards(binding, size, group)
         if rank != 0:
             continue
-        for name, tensor in bridge.to_hf(binding, binding.mapping.unshard(shards), dtype_of):
-            if (bucket := builder.add(name, tensor)) is not None:
-                yield bucket
+        for hf_name, hf_tensor in bridge.to_hf(binding, binding.mapping.unshard(shards), dtype_of):
+            for name, tensor in stacked.add(hf_name, hf_tensor):
+                if (bucket := builder.add(name, tensor)) is not None:
+                    yield bucket
     if (bucket := builder.flush()) is not None:
         yield bucket

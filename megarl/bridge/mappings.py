@@ -6,11 +6,15 @@ Every primitive is invertible and works in two layers:
 - sharding: `shard` cuts the full tensor into what TP rank r of T holds, and `unshard` rebuilds it from all T shards.
 Import reads a table of these left to right, export right to left; nothing else in the bridge knows a layout.
 
-Names are templates: "{layer}" is the decoder layer index (local in Megatron names, global in HF names).
+Names are templates: "{layer}" is the decoder layer index (local in Megatron names, global in HF names). A HF name
+ending in "[{expert}]" is one slice of a tensor stacked over experts along dim 0 (gpt-oss stores each projection of
+all of a layer's experts as one tensor): `stacked_row` splits it; the checkpoint reader reads the slice, and export
+joins a layer's slices back into the whole tensor.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +37,22 @@ def pad_vocab_size(vocab_size: int, multiple: int, tp: int) -> int:
     equal slice of the embedding and output layer."""
     step = multiple * tp
     return -(-vocab_size // step) * step
+
+
+_STACKED_ROW = re.compile(r"(.+)\[(\d+)\]")
+
+
+def stacked_row(name: str) -> tuple[str, int] | None:
+    """('model.layers.0.mlp.experts.down_proj', 3) for 'model.layers.0.mlp.experts.down_proj[3]'; None for a name
+    that is a whole tensor."""
+    match = _STACKED_ROW.fullmatch(name)
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+def whole_tensor_name(name: str) -> str:
+    """The checkpoint tensor a HF name is part of (itself, or the stacked tensor of a row)."""
+    row = stacked_row(name)
+    return row[0] if row else name
 
 
 Slice = tuple[int, int, int]
@@ -169,3 +189,40 @@ class GateUp(Mapping):
             return shards[0]  # already [gate; up]: no copy
         halves = [shard.chunk(2, dim=0) for shard in shards]
         return torch.cat([gate for gate, _ in halves] + [up for _, up in halves])
+
+
+@dataclass(frozen=True)
+class InterleavedGateUp(GateUp):
+    """gpt-oss experts: gate and up are the even and odd columns of one HF tensor `gate_up_proj` [hidden, 2 x ffn]
+    (weights stored input-major, `transposed`) or of its bias [2 x ffn] <-> Megatron's [gate; up] `linear_fc1`."""
+
+    transposed: bool = False
+
+    def hf_to_mcore(self, hf: Sequence[torch.Tensor], vocab: VocabInfo) -> torch.Tensor:
+        (tensor,) = hf
+        rows = tensor.t() if self.transposed else tensor
+        return torch.cat([rows[0::2], rows[1::2]])
+
+    def mcore_to_hf(self, full: torch.Tensor, vocab: VocabInfo) -> list[torch.Tensor]:
+        gate, up = full.chunk(2, dim=0)
+        rows = torch.stack([gate, up], dim=1).reshape(full.shape)
+        return [rows.t() if self.transposed else rows]
+
+    def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
+        return None
+
+
+@dataclass(frozen=True)
+class Transposed(Mapping):
+    """A weight the HF checkpoint stores input-major ([in, out]: gpt-oss `experts.down_proj`) <-> Megatron's
+    [out, in]."""
+
+    def hf_to_mcore(self, hf: Sequence[torch.Tensor], vocab: VocabInfo) -> torch.Tensor:
+        (tensor,) = hf
+        return tensor.t()
+
+    def mcore_to_hf(self, full: torch.Tensor, vocab: VocabInfo) -> list[torch.Tensor]:
+        return [full.t()]
+
+    def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
+        return None

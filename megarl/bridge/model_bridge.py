@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from megarl.bridge.mappings import TP_DIM_FROM_MODEL, Mapping, VocabInfo
+from megarl.bridge.mappings import TP_DIM_FROM_MODEL, Mapping, VocabInfo, whole_tensor_name
 from megarl.errors import UserError
 
 # indices inside Megatron names: whole dot-separated segments ('layers.3.'), or numbered grouped-GEMM weights
@@ -147,9 +147,12 @@ class ModelBridge:
     def to_hf(
         self, binding: Binding, full: torch.Tensor, dtype_of: Callable[[str], torch.dtype]
     ) -> list[tuple[str, torch.Tensor]]:
-        """HF (name, tensor) pairs from a binding's full Megatron tensor, each in its HF dtype."""
+        """HF (name, tensor) pairs from a binding's full Megatron tensor, each in its HF dtype (a row of a stacked
+        tensor, `name[i]`, in the whole tensor's)."""
         tensors = binding.mapping.mcore_to_hf(full, self.vocab)
-        return [(name, t.to(dtype_of(name)).contiguous()) for name, t in zip(binding.hf_names, tensors)]
+        return [
+            (name, t.to(dtype_of(whole_tensor_name(name))).contiguous()) for name, t in zip(binding.hf_names, tensors)
+        ]
 
     def local_shard(self, binding: Binding, full: torch.Tensor) -> torch.Tensor:
         rank, size = self.tp_rank_and_size(binding)
@@ -167,7 +170,9 @@ class ModelBridge:
         return local
 
     def hf_names(self, exported_only: bool = False) -> list[str]:
-        return [n for b in self.bindings if b.mapping.export or not exported_only for n in b.hf_names]
+        """The checkpoint tensors the bound parameters read (or write), stacked tensors once by their whole name."""
+        names = [n for b in self.bindings if b.mapping.export or not exported_only for n in b.hf_names]
+        return list(dict.fromkeys(whole_tensor_name(n) for n in names))
 
 
 @functools.cache

@@ -4,6 +4,9 @@ The reader validates every shard's header when it opens (a truncated or corrupte
 file), then reads one tensor at a time with plain reads: no memory map, whose touched pages would count against the
 process for as long as the file stays mapped. The writer knows every tensor's name, dtype and shape
 in advance, writes each file's header first and streams the data after it, so it holds one tensor at a time.
+
+Both take rows of tensors stacked over experts by the weight table's names, `name[i]` (megarl.bridge.mappings):
+the reader reads row i alone, the writer joins a tensor's rows and writes it once all have arrived.
 """
 
 from __future__ import annotations
@@ -12,13 +15,14 @@ import json
 import os
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from megarl.bridge.fp8 import SCALE_SUFFIX, BlockFP8, dequantize
+from megarl.bridge.mappings import stacked_row
 from megarl.errors import UserError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -53,6 +57,21 @@ class TensorSpec:
         for dim in self.shape:
             numel *= dim
         return numel * self.dtype.itemsize
+
+
+def join_stacked_rows(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
+    """The specs with the rows of each stacked tensor (`name[0]`, `name[1]`...) replaced by the whole tensor, at the
+    place of its first row."""
+    joined: dict[str, TensorSpec] = {}
+    rows: dict[str, int] = {}
+    for spec in specs:
+        row = stacked_row(spec.name)
+        if row is None:
+            joined[spec.name] = spec
+        else:
+            joined.setdefault(row[0], replace(spec, name=row[0]))
+            rows[row[0]] = rows.get(row[0], 0) + 1
+    return [replace(spec, shape=(rows[name], *spec.shape)) if name in rows else spec for name, spec in joined.items()]
 
 
 def read_header(path: Path) -> tuple[dict[str, dict], int]:
@@ -179,20 +198,31 @@ class HFCheckpoint:
         return dict.fromkeys(read_header(single)[0], SINGLE_FILE)
 
     def spec(self, name: str) -> TensorSpec:
-        return self._specs[name]
+        row = stacked_row(name)
+        if row is None:
+            return self._specs[name]
+        whole = self._specs[row[0]]
+        return TensorSpec(name, whole.dtype, whole.shape[1:])
 
     def file_of(self, name: str) -> str:
         """The file (in the folder) that stores `name`."""
         return self._file_of[name]
 
     def __contains__(self, name: str) -> bool:
-        return name in self._specs
+        row = stacked_row(name)
+        if row is None:
+            return name in self._specs
+        whole = self._specs.get(row[0])
+        return whole is not None and len(whole.shape) > 0 and row[1] < whole.shape[0]
 
     def specs(self) -> list[TensorSpec]:
         return [self._specs[name] for name in self.names]
 
     def get(self, name: str) -> torch.Tensor:
         """One tensor, read from its file into fresh memory (dequantized if it is stored in FP8)."""
+        row = stacked_row(name)
+        if row is not None:
+            return self.get_slice(row[0], 0, row[1], row[1] + 1)[0]
         scale = self._scale_of.get(name)
         if scale is not None:
             return dequantize(self._read(name), self._read(scale), self.quantization.block, self._specs[name].dtype)
@@ -201,7 +231,7 @@ class HFCheckpoint:
     def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """`get(name).narrow(dim, start, stop - start)`, reading only those bytes from the file (rows: one
         contiguous range; columns of a matrix: a strided read of each row's part). FP8 weights read whole."""
-        if name in self._scale_of or dim > 1:
+        if name in self._scale_of or dim > 1 or stacked_row(name) is not None:
             return self.get(name).narrow(dim, start, stop - start).clone()
         spec = self._stored[name]
         if dim == 0:
@@ -265,10 +295,16 @@ def _header_bytes(shard: Sequence[TensorSpec]) -> bytes:
 
 
 class ShardedSafetensorsWriter:
-    """Writes `specs` as a HF checkpoint in `folder`; tensors must arrive through `write` in the order of `specs`."""
+    """Writes `specs` as a HF checkpoint in `folder`; tensors must arrive through `write` in the order of `specs`.
+
+    A stacked tensor may arrive as its rows (`name[i]`, in any order, mixed with the rows of other stacked tensors):
+    it is written when its last row arrives, and comes in the order of `specs` then. Memory: the rows waiting.
+    """
 
     def __init__(self, folder: str | Path, specs: Sequence[TensorSpec], max_shard_bytes: int):
         self.folder = Path(folder)
+        self._rows: dict[str, dict[int, torch.Tensor]] = {}
+        self._row_counts = {spec.name: spec.shape[0] for spec in specs if spec.shape}
         self.shards = plan_shards(specs, max_shard_bytes)
         self.file_names = shard_file_names(len(self.shards))
         self._queue = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
@@ -277,6 +313,13 @@ class ShardedSafetensorsWriter:
         self._file_index = -1
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        row = stacked_row(name)
+        if row is not None:
+            rows = self._rows.setdefault(row[0], {})
+            rows[row[1]] = tensor
+            if len(rows) < self._row_counts.get(row[0], 0):
+                return
+            name, tensor = row[0], torch.stack([rows[i] for i in sorted(self._rows.pop(row[0]))])
         if self._next >= len(self._queue):
             raise RuntimeError(f"unexpected tensor {name}: every planned tensor was already written")
         shard_index, spec = self._queue[self._next]

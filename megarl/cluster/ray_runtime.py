@@ -2,7 +2,9 @@
 
 `start_ray` either starts a local instance (the embedded default: one node, logical GPUs on a CPU machine) or joins
 a running cluster. Joining checks first that the address answers, within `connect_timeout_s`: `ray.init` on an
-unreachable GCS address retries for minutes before failing.
+unreachable GCS address retries for minutes before failing. `BackgroundStart` starts a local instance in a thread,
+so that its processes boot while the driver imports torch and checks the model and data files (on a small machine
+each of the two takes seconds).
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ import logging
 import math
 import os
 import socket
+import threading
 from dataclasses import dataclass
 
 import ray
 
-from megarl.cluster.config import ClusterConfig
+from megarl.cluster.config import ClusterConfig, cuda_available
 from megarl.errors import UserError
 
 _THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -78,7 +81,13 @@ def cluster_nodes() -> list[NodeInfo]:
 
 def describe_nodes(nodes: list[NodeInfo] | tuple[NodeInfo, ...]) -> str:
     """One line per node: "node 10.0.0.1: 8 GPUs, 96 CPUs"."""
-    return "; ".join(f"node {node.ip}: {node.num_gpus:g} GPUs, {node.num_cpus:g} CPUs" for node in nodes)
+    return "; ".join(
+        f"node {node.ip}: {_count(node.num_gpus, 'GPU')}, {_count(node.num_cpus, 'CPU')}" for node in nodes
+    )
+
+
+def _count(number: float, what: str) -> str:
+    return f"{number:g} {what}" + ("s" if number != 1 else "")
 
 
 def ip_sort_key(ip: str) -> tuple:
@@ -128,6 +137,63 @@ def stop_ray() -> None:
 _started_locally = False
 
 
+class BackgroundStart:
+    """`start_ray(config)` in a thread of its own. `result()` waits for it and hands the instance over to the caller
+    (who stops it with `stop_ray`); `close()` stops the instance unless it was handed over, and ends the thread:
+    call it when the run ends, whichever way (a run that failed before it took the instance leaves none behind).
+
+    The thread lives until `close()`: Ray starts its local processes with PR_SET_PDEATHSIG, which kills them when
+    the *thread* that started them exits."""
+
+    def __init__(self, config: ClusterConfig):
+        self._info: RayInfo | None = None
+        self._error: BaseException | None = None
+        self._taken = False
+        self._started = threading.Event()
+        self._release = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(config,), name="megarl-ray-start")
+        self._thread.start()
+
+    def _run(self, config: ClusterConfig) -> None:
+        # Ray says it cannot set its SIGTERM handler outside the main thread: megarl installs its own (train's stop
+        # signals), which Ray's would otherwise replace.
+        worker_logger = logging.getLogger("ray._private.worker")
+        quiet = _DropMessage("SIGTERM handler is not set")
+        worker_logger.addFilter(quiet)
+        try:
+            self._info = start_ray(config)
+        except BaseException as err:  # re-raised in the caller's thread by result()
+            self._error = err
+        finally:
+            worker_logger.removeFilter(quiet)
+            self._started.set()
+        self._release.wait()
+
+    def result(self) -> RayInfo:
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._info is not None
+        self._taken = True
+        return self._info
+
+    def close(self) -> None:
+        self._started.wait()
+        if not self._taken and self._error is None:
+            stop_ray()
+        self._release.set()
+        self._thread.join()
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
 def _start_local(config: ClusterConfig) -> None:
     num_gpus = _local_num_gpus(config)
     num_cpus = config.num_cpus
@@ -156,9 +222,7 @@ def _local_num_gpus(config: ClusterConfig) -> int | None:
     """GPUs a local instance announces; None lets Ray count the real ones."""
     if config.logical_gpus is not None:
         return config.logical_gpus
-    import torch
-
-    if torch.cuda.device_count() > 0:
+    if cuda_available():
         return None
     return config.num_nodes * (config.gpus_per_node or 1)
 

@@ -107,6 +107,7 @@ class WorkerGroup:
         if bundle_stride < 1:
             raise ValueError(f"{role}: bundle_stride={bundle_stride} must be >= 1")
         self.worker_cls = worker_cls
+        self._remote_cls: Any = None
         self.pool = pool
         self.role = role
         self.bundle_stride = bundle_stride
@@ -199,35 +200,48 @@ class WorkerGroup:
         self._down_reason = ""
 
     def _build_workers(self) -> list:
-        remote_cls = ray.remote(self.worker_cls)
+        return [self._build_worker(rank) for rank in range(self.world_size)]
+
+    def _build_worker(self, rank: int):
+        """Create rank `rank`'s worker on its bundle (its process starts in the background)."""
         node_ids = [self.pool.node_ids[bundle] for bundle in self.bundle_indices]
         ranks_on_node = local_ranks(node_ids)
-        workers = []
-        for rank, bundle in enumerate(self.bundle_indices):
-            placement_group, bundle_index = self.pool.bundles[bundle]
-            env = {
-                **thread_env(self.pool.cpus_per_bundle),  # colocated roles take turns: each may use the whole bundle
-                **self.env,
-                ROLE_ENV: self.role,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(self.world_size),
-                "LOCAL_RANK": str(ranks_on_node[rank]),
-                "LOCAL_WORLD_SIZE": str(node_ids.count(node_ids[rank])),
-            }
-            options = dict(
-                num_gpus=self.num_gpus_per_worker,
-                num_cpus=self.num_cpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=placement_group, placement_group_bundle_index=bundle_index
-                ),
-                runtime_env={"env_vars": env},
-                max_restarts=0,
-                max_task_retries=0,
-            )
-            if self.max_concurrency > 1:  # threaded worker; 1 keeps Ray's default (calls on the main thread)
-                options["max_concurrency"] = self.max_concurrency
-            workers.append(remote_cls.options(**options).remote(*self.init_args, **self.init_kwargs))
-        return workers
+        placement_group, bundle_index = self.pool.bundles[self.bundle_indices[rank]]
+        env = {
+            **thread_env(self.pool.cpus_per_bundle),  # colocated roles take turns: each may use the whole bundle
+            **self.env,
+            ROLE_ENV: self.role,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(ranks_on_node[rank]),
+            "LOCAL_WORLD_SIZE": str(node_ids.count(node_ids[rank])),
+        }
+        options = dict(
+            num_gpus=self.num_gpus_per_worker,
+            num_cpus=self.num_cpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=bundle_index
+            ),
+            runtime_env={"env_vars": env},
+            max_restarts=0,
+            max_task_retries=0,
+        )
+        if self.max_concurrency > 1:  # threaded worker; 1 keeps Ray's default (calls on the main thread)
+            options["max_concurrency"] = self.max_concurrency
+        if self._remote_cls is None:  # one actor class for every rank (Ray exports it once)
+            self._remote_cls = ray.remote(self.worker_cls)
+        return self._remote_cls.options(**options).remote(*self.init_args, **self.init_kwargs)
+
+    def relaunch_rank(self, rank: int, wait: bool = True) -> None:
+        """Kill rank `rank`'s worker and start a fresh one on the same bundle, the other ranks going on; `wait`: for
+        its `__init__` (else calls made now run once it is up). For groups whose workers make no collective calls
+        (independent rollout engines): the new worker does not join the group's process group."""
+        with contextlib.suppress(Exception):  # already dead
+            ray.kill(self.workers[rank], no_restart=True)
+        ray.wait([self.workers[rank].ping.remote()], timeout=_KILL_WAIT_S)  # its share of the bundle is free again
+        self.workers[rank] = self._build_worker(rank)
+        if wait:
+            self._gather("start-up (__init__)", [self.workers[rank].ping.remote()], [rank], self.timeouts.init_s)
 
     def _build_process_group(self) -> list[WorkerInfo]:
         """Wait for every `__init__` (a ping each), then form the world around the address rank 0 picks."""
@@ -354,7 +368,7 @@ class WorkerGroup:
                 try:
                     values[i] = ray.get(ref)
                 except Exception as err:  # a RayTaskError carries the worker's traceback; ActorDiedError a death
-                    failures.setdefault(ranks[i], _rank_failure(ranks[i], err))
+                    failures.setdefault(ranks[i], rank_failure(ranks[i], err))
                     if first_failed is None:
                         first_failed = ranks[i]
                         deadline = min(deadline, time.monotonic() + self.timeouts.failure_grace_s)
@@ -400,7 +414,8 @@ def start_groups(groups: Sequence[WorkerGroup]) -> None:
         raise
 
 
-def _rank_failure(rank: int, err: Exception) -> RankFailure:
+def rank_failure(rank: int, err: Exception) -> RankFailure:
+    """How rank `rank`'s call failed, from the exception `ray.get` raised: it raised (with its traceback), or died."""
     text = clean_traceback(str(err))
     if isinstance(err, ray.exceptions.RayTaskError):
         return RankFailure(rank, "raised", text)

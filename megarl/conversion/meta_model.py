@@ -14,7 +14,7 @@ import torch
 
 from megarl.bridge.mappings import VocabInfo
 from megarl.bridge.model_bridge import Binding, ModelBridge
-from megarl.bridge.safetensors_io import HFCheckpoint, TensorSpec
+from megarl.bridge.safetensors_io import HFCheckpoint, TensorSpec, join_stacked_rows
 from megarl.errors import UserError
 from megarl.models.architecture import Architecture
 from megarl.models.builder import build_bridge, build_model
@@ -37,13 +37,14 @@ class MetaModel:
         return self._by_name[param_name]
 
     def hf_specs(self, dtype_of: Callable[[str], torch.dtype]) -> list[TensorSpec]:
-        """The HF tensors an export writes (name, dtype, shape), in export order."""
+        """The HF tensors an export writes (name, dtype, shape), in export order (tensors stacked over experts whole,
+        where their first row comes)."""
         specs = []
         for binding in self.bindings:
             if binding.mapping.export:
                 for name, tensor in self.bridge.to_hf(binding, binding.param, dtype_of):
                     specs.append(TensorSpec(name, tensor.dtype, tuple(tensor.shape)))
-        return specs
+        return join_stacked_rows(specs)
 
 
 def build_meta_model(arch: Architecture, hf_config, vocab: VocabInfo, dtype: torch.dtype) -> MetaModel:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.activations import quick_gelu
 
 from megarl.bridge.mappings import Direct, Mapping, VocabRows
 from megarl.errors import UserError
@@ -20,10 +21,13 @@ from megarl.models.attention import check_mla_supported, gqa_config, gqa_mapping
 from megarl.models.heads import Head, head_mappings
 from megarl.models.hf_config import head_dim, rope_parameters
 from megarl.models.moe import MoE
-from megarl.models.rope import rope_inv_freq
+from megarl.models.rope import attention_softmax_scale, rope_inv_freq
 from megarl.models.weight_table import HF_LAYER, MCORE_LAYER, swiglu_mappings
 
 ACTIVATIONS = {"silu": F.silu}
+QUICK_GELU_ALPHA = 1.702
+"""The sigmoid gain of Megatron-Core's quick_gelu."""
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,22 @@ class Architecture:
     """q/k/v projections carry a bias whatever config.json says (Qwen2); otherwise `attention_bias` decides."""
     output_bias_from_attention_bias: bool = True
     """`attention_bias` also gives the attention output projection a bias (Llama); GLM-4.5's covers q/k/v only."""
+    mlp_bias_always: bool = False
+    """The MLP (router and experts) carries biases whatever config.json says (gpt-oss)."""
+    attention_sinks: bool = False
+    """A learned logit per head joins each attention softmax's denominator and reads no value (gpt-oss
+    `self_attn.sinks`): Megatron's softmax_type='learnable' (`core_attention.softmax_offset`)."""
+    layer_types: bool = False
+    """config.json `layer_types` gives each layer's attention: 'sliding_attention' (a query reads the last
+    `sliding_window` positions, itself included) or 'full_attention' (gpt-oss): Megatron's window_size and
+    window_attn_skip_freq."""
+    clamped_swiglu: bool = False
+    """gpt-oss's expert activation, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)
+    (config.json `swiglu_alpha`, `swiglu_limit`; `hidden_act` is not read): Megatron's gated quick_gelu (alpha
+    1.702 built in) with glu_linear_offset=1 and activation_func_clamp_value=limit."""
+    hf_attn_implementation: str | None = None
+    """The transformers attention kernel the hf engine runs this family with, whatever rollout.hf.attn_implementation
+    says (gpt-oss: 'eager', transformers' only CPU path for its sinks; it refuses 'sdpa'); None: the configured one."""
     mla: bool = False
     """Multi-head Latent Attention (DeepSeek-V2/V3) instead of grouped-query attention."""
     moe: MoE | None = None
@@ -114,7 +134,7 @@ class Architecture:
         return Features(
             qkv_bias=self.qkv_bias_always or attention_bias,
             proj_bias=attention_bias and self.output_bias_from_attention_bias,
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            mlp_bias=self.mlp_bias_always or bool(getattr(hf_config, "mlp_bias", False)),
             qk_norm=qk_norm,
             tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         )
@@ -126,7 +146,7 @@ class Architecture:
                 value = getattr(hf_config, key)
                 raise UserError(f"config.json {key}={value!r} is not supported for {self.name}: {reason}")
         act = getattr(hf_config, "hidden_act", "silu")
-        if act not in ACTIVATIONS:
+        if act not in ACTIVATIONS and not self.clamped_swiglu:
             raise UserError(f"config.json hidden_act={act!r} is not supported; valid: {', '.join(ACTIVATIONS)}")
         feats = self.features(hf_config)
         if feats.proj_bias != feats.mlp_bias and (feats.proj_bias or feats.mlp_bias):
@@ -137,8 +157,48 @@ class Architecture:
             )
         if self.mla:
             check_mla_supported(hf_config)
+        self._check_variants(hf_config)
         if self.moe:
             self.moe.check_supported(hf_config)
+
+    def _check_variants(self, hf_config) -> None:
+        if self.clamped_swiglu:
+            alpha, limit = getattr(hf_config, "swiglu_alpha", 1.702), getattr(hf_config, "swiglu_limit", 7.0)
+            if alpha != QUICK_GELU_ALPHA:
+                raise UserError(
+                    f"config.json swiglu_alpha={alpha} is not supported for {self.name}: Megatron-Core's clamped "
+                    f"SwiGLU (quick_gelu) has alpha {QUICK_GELU_ALPHA} built in"
+                )
+            if not isinstance(limit, int | float) or limit <= 0:
+                raise UserError(f"config.json swiglu_limit={limit!r} must be a positive number")
+        if self.layer_types:
+            types, layers = list(hf_config.layer_types), hf_config.num_hidden_layers
+            unknown = sorted(set(types) - set(LAYER_TYPES))
+            if unknown or len(types) != layers:
+                raise UserError(
+                    f"config.json layer_types={types!r} must name each of the {layers} layers "
+                    f"{' or '.join(map(repr, LAYER_TYPES))}"
+                )
+            window = getattr(hf_config, "sliding_window", None)
+            if "sliding_attention" in types and not (isinstance(window, int) and window >= 1):
+                raise UserError(f"config.json sliding_window={window!r} must be a positive number of positions")
+
+    def _variant_kwargs(self, hf_config) -> dict[str, Any]:
+        """Megatron fields of the attention sinks, sliding-window layers and clamped SwiGLU flags."""
+        kwargs: dict[str, Any] = {}
+        if self.attention_sinks:
+            kwargs["softmax_type"] = "learnable"
+        if self.layer_types and "sliding_attention" in hf_config.layer_types:
+            # HF: the last sliding_window positions, the query's own included; Megatron and TE: (left, right)
+            kwargs["window_size"] = (hf_config.sliding_window - 1, 0)
+            kwargs["window_attn_skip_freq"] = [int(t == "sliding_attention") for t in hf_config.layer_types]
+        if self.clamped_swiglu:
+            kwargs.update(
+                activation_func=quick_gelu,
+                glu_linear_offset=1.0,
+                activation_func_clamp_value=float(getattr(hf_config, "swiglu_limit", 7.0)),
+            )
+        return kwargs
 
     def to_mcore(self, hf_config) -> McoreModelSpec:
         self.check_supported(hf_config)
@@ -163,6 +223,7 @@ class Architecture:
             **(mla_config(hf_config) if self.mla else gqa_config(hf_config, feats.qkv_bias, feats.qk_norm)),
             **(self.moe.config_kwargs(hf_config) if self.moe else {}),
         )
+        config_kwargs.update(self._variant_kwargs(hf_config))
         gpt_kwargs = dict(
             max_sequence_length=hf_config.max_position_embeddings,
             position_embedding_type="rope",
@@ -170,7 +231,19 @@ class Architecture:
             rotary_base=rope["rope_theta"],
             share_embeddings_and_output_weights=feats.tied_embeddings,
         )
-        inv_freq = None if self.mla else rope_inv_freq(int(head_dim(hf_config) * rotary_percent), rope)
+        if self.mla:
+            return McoreModelSpec(config_kwargs, gpt_kwargs, None)
+        max_positions = hf_config.max_position_embeddings
+        softmax_scale = attention_softmax_scale(rope, head_dim(hf_config), max_positions)
+        if softmax_scale is not None:  # YaRN's factor on RoPE's cos and sin (models/rope.py)
+            if rotary_percent != 1.0:  # the factor scales the rotated dimensions only: not one softmax scale
+                raise UserError(
+                    f"config.json rope_type={rope['rope_type']!r} with partial_rotary_factor={rotary_percent} is not "
+                    f"supported for {self.name}: its attention factor scales the rotated dimensions only; valid: "
+                    "partial_rotary_factor 1.0, or a rope_type without an attention factor (default, linear, llama3)"
+                )
+            config_kwargs["softmax_scale"] = softmax_scale
+        inv_freq = rope_inv_freq(int(head_dim(hf_config) * rotary_percent), rope, max_positions)
         return McoreModelSpec(config_kwargs, gpt_kwargs, inv_freq)
 
     def mappings(self, hf_config, head: Head = "lm") -> list[Mapping]:
@@ -181,13 +254,13 @@ class Architecture:
         if self.mla:
             attention = mla_mappings(hf_config)
         else:
-            attention = gqa_mappings(hf_config, feats.qkv_bias, feats.proj_bias, feats.qk_norm)
+            attention = gqa_mappings(hf_config, feats.qkv_bias, feats.proj_bias, feats.qk_norm, self.attention_sinks)
         return [
             VocabRows("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
             *attention,
             Direct(MCORE_LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",)),
             *swiglu_mappings(MCORE_LAYER + "mlp.", HF_LAYER + "mlp.", bias=feats.mlp_bias),
-            *(self.moe.mappings() if self.moe else []),
+            *(self.moe.mappings(bias=feats.mlp_bias) if self.moe else []),
             Direct("decoder.final_layernorm.weight", ("model.norm.weight",)),
             # A tied output layer exists as a parameter only on a last pipeline stage that lacks the embedding;
             # it reads the embedding and is never exported (the first stage exports the embedding).

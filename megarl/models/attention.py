@@ -20,7 +20,7 @@ def gqa_config(hf_config, qkv_bias: bool, qk_norm: bool) -> dict[str, Any]:
     )
 
 
-def gqa_mappings(hf_config, qkv_bias: bool, proj_bias: bool, qk_norm: bool) -> list[Mapping]:
+def gqa_mappings(hf_config, qkv_bias: bool, proj_bias: bool, qk_norm: bool, sinks: bool = False) -> list[Mapping]:
     m, h = MCORE_LAYER + "self_attention.", HF_LAYER + "self_attn."
     heads = dict(
         num_heads=hf_config.num_attention_heads, num_kv_heads=num_kv_heads(hf_config), head_dim=head_dim(hf_config)
@@ -34,6 +34,8 @@ def gqa_mappings(hf_config, qkv_bias: bool, proj_bias: bool, qk_norm: bool) -> l
         table.append(QKV(m + "linear_qkv.bias", tuple(h + f"{x}_proj.bias" for x in "qkv"), **heads))
     if proj_bias:
         table.append(Direct(m + "linear_proj.bias", (h + "o_proj.bias",)))
+    if sinks:  # one logit per query head: TP splits heads
+        table.append(Direct(m + "core_attention.softmax_offset", (h + "sinks",), tp_dim=0))
     if qk_norm:
         table += [
             Direct(m + "q_layernorm.weight", (h + "q_norm.weight",)),

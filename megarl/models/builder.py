@@ -111,11 +111,23 @@ def build_model(
             )
             if head == "value":
                 attach_value_head(model)
+        _mark_sink_logits_split(model)
         if spec.rope_inv_freq is not None:
             # Megatron's rotary embedding knows fewer scaling schemes than HF: use the checkpoint's own frequencies.
             model.rotary_pos_emb.inv_freq = spec.rope_inv_freq.to(model.rotary_pos_emb.inv_freq.device)
         chunks.append(model)
     return chunks
+
+
+def _mark_sink_logits_split(model) -> None:
+    """Megatron's core attentions hold the sink logits of this TP rank's heads (`softmax_offset`, softmax_type
+    'learnable') without the tensor-parallel marks its linear layers get, though its checkpoints split them by heads:
+    marked here, so the bridge splits them and gradient clipping counts every rank's."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    for name, param in model.named_parameters():
+        if name.endswith("core_attention.softmax_offset") and not getattr(param, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(param, True, 0, 1)
 
 
 def build_bridge(arch: Architecture, hf_config, chunks: list, vocab: VocabInfo, head: Head = "lm"):

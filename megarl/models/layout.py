@@ -35,6 +35,13 @@ def check_parallel_layout(arch: Architecture, hf_config, parallel: ParallelConfi
         _check_divides(parallel.ep, f"{prefix}ep", experts)
         etp = parallel.etp if parallel.etp is not None else parallel.tp
         _check_divides(etp, f"{prefix}etp", {arch.moe.expert_ffn_key: int(getattr(hf_config, arch.moe.expert_ffn_key))})
+        if etp > 1 and arch.features(hf_config).mlp_bias:
+            unset = " (unset: the same as tp)" if parallel.etp is None else ""
+            raise UserError(
+                f"{prefix}etp={etp}{unset} cannot split the experts of {arch.name}: Megatron-Core supports expert "
+                f"biases only without expert tensor parallelism; set {prefix}etp=1 ({prefix}tp={parallel.tp} still "
+                "splits attention)"
+            )
     elif parallel.ep > 1:
         raise UserError(f"{prefix}ep={parallel.ep} needs a mixture-of-experts model; {arch.name} is dense: use 1")
     if parallel.cp > 1 and parallel.cp_comm_type == "a2a":

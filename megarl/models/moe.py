@@ -15,7 +15,7 @@ import torch
 
 from megarl.bridge.mappings import Direct, Mapping
 from megarl.errors import UserError
-from megarl.models.weight_table import HF_LAYER, MCORE_LAYER, swiglu_mappings
+from megarl.models.weight_table import HF_LAYER, MCORE_LAYER, stacked_expert_mappings, swiglu_mappings
 
 
 def every_layer(hf_config) -> list[bool]:
@@ -45,6 +45,9 @@ class RoutingLayout:
     topk: int
     num_layers: int
     """All decoder layers, MoE or dense (SGLang reports a row for each)."""
+    hf_router: str = "mlp.gate"
+    """The router module under a decoder layer of the transformers model (its output ends with the chosen ids
+    [tokens, topk])."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -62,8 +65,14 @@ class MoE:
     """config.json key holding each expert's MLP width."""
     hf_block: str = "mlp"
     """HF module holding the router ('gate') and the experts: 'mlp', or 'block_sparse_moe' in Mixtral."""
+    hf_router: str = "gate"
+    """HF module of the router under `hf_block`: 'gate', or 'router' (gpt-oss)."""
     hf_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     """Per-expert gate, up and down projection names in the checkpoint (Mixtral: w1, w3, w2)."""
+    stacked_experts: bool = False
+    """The checkpoint stores each projection of all of a layer's experts as one tensor, with biases (gpt-oss:
+    `experts.gate_up_proj` [experts, hidden, 2 x ffn] with gate and up interleaved, `experts.down_proj`
+    [experts, ffn, hidden]) instead of one tensor per expert and projection."""
     score: Literal["softmax", "sigmoid"] = "softmax"
     """softmax over expert logits (Mixtral, Qwen) or independent sigmoids with a selection bias (DeepSeek-V3)."""
     sparse_layers: Callable[[Any], list[bool]] = every_layer
@@ -81,6 +90,7 @@ class MoE:
             num_experts=self.num_experts(hf_config),
             topk=int(hf_config.num_experts_per_tok),
             num_layers=len(sparse),
+            hf_router=f"mlp.{self.hf_router}",  # in memory transformers 5 calls every MoE block `mlp` (Mixtral too)
         )
 
     def check_supported(self, hf_config) -> None:
@@ -151,18 +161,24 @@ class MoE:
             )
         return kwargs
 
-    def mappings(self) -> list[Mapping]:
+    def mappings(self, bias: bool = False) -> list[Mapping]:
+        """bias: the router and the experts have biases (Megatron's add_bias_linear)."""
         m, h = MCORE_LAYER + "mlp.", HF_LAYER + f"{self.hf_block}."
-        table: list[Mapping] = [Direct(m + "router.weight", (h + "gate.weight",))]
+        router = h + f"{self.hf_router}."
+        table: list[Mapping] = [Direct(m + "router.weight", (router + "weight",))]
+        if bias:
+            table.append(Direct(m + "router.bias", (router + "bias",)))
         if self.score == "sigmoid":
-            table.append(Direct(m + "router.expert_bias", (h + "gate.e_score_correction_bias",)))
-        experts = h + "experts.{expert}."
+            table.append(Direct(m + "router.expert_bias", (router + "e_score_correction_bias",)))
         # Megatron keeps local experts either as modules (SequentialMLP, CPU) or as one grouped GEMM whose
-        # weights are numbered (TEGroupedMLP, GPU): both bind to the same per-expert HF tensors.
-        table += swiglu_mappings(m + "experts.local_experts.{expert}.", experts, self.hf_expert_names)
-        table += swiglu_mappings(m + "experts.", experts, self.hf_expert_names, param_suffix="{expert}")
+        # weights are numbered (TEGroupedMLP, GPU): both bind to the same HF tensors.
+        for mcore, suffix in ((m + "experts.local_experts.{expert}.", ""), (m + "experts.", "{expert}")):
+            if self.stacked_experts:
+                table += stacked_expert_mappings(mcore, h + "experts.", param_suffix=suffix)
+            else:
+                table += swiglu_mappings(mcore, h + "experts.{expert}.", self.hf_expert_names, bias, suffix)
         if self.shared_experts_key:
             table += swiglu_mappings(
-                m + "shared_experts.", h + "shared_experts.", ("gate_proj", "up_proj", "down_proj")
+                m + "shared_experts.", h + "shared_experts.", ("gate_proj", "up_proj", "down_proj"), bias
             )
         return table

@@ -8,6 +8,11 @@ from megarl.models.moe import MoE, RoutingLayout, after_first_k_dense, every_lay
 
 _SLIDING = "sliding-window attention is not implemented by Megatron-Core's local attention"
 
+_MXFP4 = (
+    "the published gpt-oss checkpoints store their experts in MXFP4, which megarl does not read; use a bf16 copy "
+    "(transformers: from_pretrained with quantization_config=Mxfp4Config(dequantize=True), then save_pretrained)"
+)
+
 DEEPSEEK_V3_MOE = MoE(
     num_experts_key="n_routed_experts",
     score="sigmoid",
@@ -60,6 +65,23 @@ ARCHITECTURES: dict[str, Architecture] = {
             moe=DEEPSEEK_V3_MOE,
             mtp_layers_key="num_nextn_predict_layers",
         ),
+        Architecture(
+            "gpt_oss",
+            ("gpt_oss",),
+            attention_sinks=True,
+            layer_types=True,  # alternating sliding-window (128) and full attention
+            mlp_bias_always=True,  # router and experts; attention_bias gives q/k/v/o theirs
+            clamped_swiglu=True,
+            hf_attn_implementation="eager",
+            moe=MoE(
+                num_experts_key="num_local_experts",
+                expert_ffn_key="intermediate_size",
+                hf_router="router",
+                stacked_experts=True,
+                sparse_layers=every_layer,
+            ),
+            unsupported={"quantization_config": _MXFP4},
+        ),
     ]
 }
 
@@ -76,6 +98,15 @@ def get_architecture(model_type: str | None) -> Architecture:
     raise UserError(
         f"config.json model_type={model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
     )
+
+
+def required_hf_attn_implementation(hf_config) -> str | None:
+    """The transformers attention kernel a family must run with (Architecture.hf_attn_implementation); None for the
+    others, model_types megarl does not train included."""
+    for arch in ARCHITECTURES.values():
+        if getattr(hf_config, "model_type", None) in arch.hf_model_types:
+            return arch.hf_attn_implementation
+    return None
 
 
 def routing_layout(hf_config) -> RoutingLayout | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megarl.bridge.mappings import Direct, GateUp, Mapping
+from megarl.bridge.mappings import Direct, GateUp, InterleavedGateUp, Mapping, Transposed
 
 MCORE_LAYER = "decoder.layers.{layer}."
 HF_LAYER = "model.layers.{layer}."
@@ -31,3 +31,16 @@ def swiglu_mappings(
             Direct(f"{fc2}.bias{param_suffix}", (f"{down}.bias",)),  # row-parallel bias: added once, replicated
         ]
     return table
+
+
+def stacked_expert_mappings(mcore_prefix: str, hf_experts: str, param_suffix: str = "") -> list[Mapping]:
+    """One expert's SwiGLU with biases <-> its slice of tensors stacked over experts (gpt-oss): `gate_up_proj`
+    [experts, hidden, 2 x ffn] (gate, up interleaved), `down_proj` [experts, ffn, hidden], and their biases."""
+    fc1, fc2 = f"{mcore_prefix}linear_fc1", f"{mcore_prefix}linear_fc2"
+    row = "[{expert}]"
+    return [
+        InterleavedGateUp(f"{fc1}.weight{param_suffix}", (f"{hf_experts}gate_up_proj{row}",), transposed=True),
+        InterleavedGateUp(f"{fc1}.bias{param_suffix}", (f"{hf_experts}gate_up_proj_bias{row}",)),
+        Transposed(f"{fc2}.weight{param_suffix}", (f"{hf_experts}down_proj{row}",), tp_dim=1),
+        Direct(f"{fc2}.bias{param_suffix}", (f"{hf_experts}down_proj_bias{row}",)),
+    ]

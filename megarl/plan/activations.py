@@ -15,7 +15,8 @@ Activations are bf16 (2 bytes per element); no dropout (megarl sets hidden_dropo
   + k (2h + 3f_e / etp) / s (each token's k routed copies: permuted input, expert fc1 out (2 f_e), product,
   output) + 3 f_shared / t (shared experts). Assumes balanced routing: a rank gets k x its own tokens.
 - Logits on the last stage: T V_p / t x 16 bytes (bf16 logits, fp32 copy divided by the temperature, the loss'
-  working copy, and its gradient).
+  working copy, and its gradient). With chunked log-probs (micro_batch.logprob_chunk_tokens = c, LM heads only)
+  the logits of at most c of the rank's tokens exist at once: min(T, c) V_p / t x 16 bytes.
 
 Full recomputation (megarl's `recompute: true`: granularity full, method uniform, one layer per checkpoint) keeps
 only each layer's input, h/s elements per token, and rebuilds one layer at a time in backward: the peak adds two
@@ -56,6 +57,8 @@ class ActivationLayout:
     recompute: bool
     first: int | None = None
     last: int | None = None
+    logit_chunk: int = 0
+    """Tokens per LM-head chunk (micro_batch.logprob_chunk_tokens); 0: the head sees every token at once."""
 
     @property
     def stages(self) -> StageLayout:
@@ -87,8 +90,10 @@ def layer_elements_per_token(shape: ModelShape, layer: int, lay: ActivationLayou
     return attention + mlp
 
 
-def logits_bytes(tokens: int, padded_vocab: int, tp: int) -> float:
-    return tokens * padded_vocab / tp * LOGIT_BYTES_PER_ENTRY
+def logits_bytes(tokens: int, padded_vocab: int, tp: int, chunk: int = 0) -> float:
+    """The LM head's logits and their working copies for `tokens` tokens of a rank, `chunk` of them at a time."""
+    rows = min(tokens, chunk) if chunk else tokens
+    return rows * padded_vocab / tp * LOGIT_BYTES_PER_ENTRY
 
 
 def train_activation_bytes(
@@ -106,7 +111,7 @@ def train_activation_bytes(
     else:
         total = sum(per_layer) * in_flight
     if stage == lay.pp - 1 and lm_head:
-        total += logits_bytes(int(local_tokens), padded_vocab, lay.tp)
+        total += logits_bytes(int(local_tokens), padded_vocab, lay.tp, lay.logit_chunk)
     return total
 
 
@@ -118,7 +123,7 @@ def forward_activation_bytes(
     layers = lay.stages.stage_layers(shape.num_layers, stage)
     total = max(layer_elements_per_token(shape, i, lay) for i in layers) * local_tokens * ACTIVATION_BYTES
     if stage == lay.pp - 1 and lm_head:
-        total += logits_bytes(int(local_tokens), padded_vocab, lay.tp)
+        total += logits_bytes(int(local_tokens), padded_vocab, lay.tp, lay.logit_chunk)
     return total
 
 

@@ -174,6 +174,7 @@ def role_memory(
         recompute=settings.recompute and trainable,
         first=layout.first,
         last=layout.last,
+        logit_chunk=micro_batch.logprob_chunk_tokens if head == "lm" else 0,
     )
     padded = shape.padded_vocab(settings.vocab_multiple, layout.tp)
     lm = head == "lm"

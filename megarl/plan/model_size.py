@@ -156,6 +156,8 @@ def model_shape(hf_config, spec_backend: str = "te") -> ModelShape:
         qk_dim = v_dim = head_dim(hf_config)
         kv_heads = num_kv_heads(hf_config)
         attention = _gqa_params(h, hf_config.num_attention_heads, kv_heads, qk_dim, feats, bias_linear)
+        if arch.attention_sinks:  # one logit per head (gpt-oss)
+            attention.append(ParamSpec("core_attention.softmax_offset", hf_config.num_attention_heads, "tp"))
     moe = None
     if arch.moe:
         expert_ffn = int(getattr(hf_config, arch.moe.expert_ffn_key))

@@ -67,6 +67,7 @@ def run_plan(config: JobConfig, config_path: str = "") -> PlanReport:
     fp8 = rl and _serves_fp8(config)
     if rl and config.rollout.backend == "sglang":
         engine = engine_memory(shapes["actor"][0], config.rollout.sglang, gpus, fp8=fp8)
+        notes += _context_window_notes(config, shapes["actor"][2], longest)
     elif rl:
         notes.append(f"rollout.backend={config.rollout.backend}: the engine runs on the CPU; its memory is not planned")
     colocated_engine = engine is not None and config.placement.mode == "colocated"
@@ -231,10 +232,38 @@ def _released_engine_bytes(config: JobConfig, engine: EngineMemory, notes: list[
     return engine.static_bytes
 
 
+def _context_window_notes(config: JobConfig, config_json: Path, longest: int) -> list[str]:
+    """The engines' context window against the longest sample: SGLang fits each request into its window, so a
+    longer sample would end early (an agent episode: truncated); and it refuses to start with a context_length
+    above the model's own window (sglang 0.5.23, unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1)."""
+    from megarl.rollout.sglang_model import context_window
+
+    derived = context_window(load_config_json(config_json, "model.path"))
+    asked = config.rollout.sglang.context_length
+    notes = []
+    if asked and asked > derived:
+        notes.append(
+            f"rollout.sglang.context_length={asked} is above the model's context window ({derived} tokens from "
+            f"{config_json.name}): SGLang refuses to start unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1; "
+            "extend the model with YaRN instead (docs/long_context.md)"
+        )
+    window = asked or derived
+    if longest > window:
+        source = "agent.max_total_tokens" if config.agent.enabled else "rollout.sampling.max_new_tokens"
+        notes.append(
+            f"the longest sample ({longest} tokens: data.max_prompt_tokens + {source}) is longer than the engines' "
+            f"context window ({window} tokens): SGLang ends such samples at {window}; extend the model with YaRN "
+            "(rope_scaling and max_position_embeddings in config.json: docs/long_context.md)"
+        )
+    return notes
+
+
 def _longest_sample(config: JobConfig) -> int:
     lengths = []
     if config.rl_stages:
-        lengths.append((config.data.max_prompt_tokens or 0) + config.rollout.sampling.max_new_tokens)
+        # an agent episode: its prompt, then turns and observations up to agent.max_total_tokens
+        after_prompt = config.agent.max_total_tokens if config.agent.enabled else config.rollout.sampling.max_new_tokens
+        lengths.append((config.data.max_prompt_tokens or 0) + after_prompt)
     if "sft" in config.run.stages:
         lengths.append(config.sft.data.max_tokens)
     if "rm" in config.run.stages:
@@ -278,6 +307,14 @@ def _role_report(
     lines.append((f"resident: {', '.join(what)}", resident))
     stage = f"pipeline stage {m.stage} of {m.layout.pp}" if m.layout.pp > 1 else "one pipeline stage"
     info = [f"({stage}; {'trained' if m.trainable else 'frozen'}; {m.layout.world} GPUs)"]
+    chunk = role.settings.micro_batch.logprob_chunk_tokens if role.head == "lm" else 0
+    split = []
+    if m.layout.cp > 1:
+        split.append(f"cp {m.layout.cp}: {max(m.train_tokens, m.forward_tokens) // m.layout.cp} tokens per rank")
+    if chunk:
+        split.append(f"logits in {chunk}-token chunks")
+    if split:
+        info.append(f"({'; '.join(split)})")
     return RoleReport(role.name, m.layout.describe(bool(p.expert)), lines, gpus, info=info, detail=m)
 
 

@@ -14,14 +14,16 @@ Time, as sums and maxima of bytes / bandwidth (PlanConfig: intra-node per GPU, i
   trainer rank, whose copy its engine GPU opens by CUDA IPC; every node needs the B bytes it does not hold, entering
   through all of its GPUs' network links at once (a multi-rail broadcast), and every GPU receives all B bytes
   (NVLink inside the node); only IPC handle strings cross the network besides;
-- nccl (split: one broadcast per bucket to every engine GPU): all B bytes enter each rollout node through its GPUs'
-  links (NVLink when training and rollout share one node), and every engine GPU receives whole tensors (B) from the
-  node's fan-out;
+- nccl (split: one broadcast per bucket from its sender to every engine GPU): all B bytes enter each rollout node
+  through its GPUs' links (NVLink when training and rollout share one node), and every engine GPU receives whole
+  tensors (B) from the node's fan-out. The senders (one per stage and expert rank) take turns, since an engine
+  receives one broadcast at a time (megarl/workers/nccl_senders.py): all B bytes leave through one sender's link
+  at a time, however many senders there are;
 - object store (host copies): every byte crosses host memory at about HOST_GBPS on the sender and on each engine;
 - disk (engines across nodes): the senders write all B bytes to the shared file system, then every node of every
   engine reads them once (its ranks share the node's page cache), at plan.shared_fs_gbps for the whole cluster,
   one after the other;
-- in all, the busiest sender pushes its share once (a pipelined broadcast);
+- in all, the busiest sender pushes its share once (a pipelined broadcast; nccl: the senders one after another);
 - per bucket, a fixed cost (BUCKET_OVERHEAD_S): an engine applies updates one call at a time (the request,
   rebuilding tensors, the model's load_weights), so B / bucket_bytes calls add up.
 With FP8 rollout (rollout.weights_format) the expert weights travel at one byte per element, the rest at the
@@ -91,7 +93,8 @@ def estimate_sync(
     shared_fs_gbps: float = 20.0,
 ) -> SyncEstimate:
     """`transport`: the resolved rollout.weight_sync (ipc, ipc_relay, nccl, object_store, disk); auto: ipc
-    colocated, nccl split. fp8: the engines take FP8 weights (rollout.weights_format resolved)."""
+    colocated, nccl split (any actor layout). fp8: the engines take FP8 weights (rollout.weights_format
+    resolved)."""
     if transport == "auto":
         transport = "ipc" if placement.mode == "colocated" else "nccl"
     nbytes = shape.hf_dtype_bytes
@@ -134,10 +137,13 @@ def estimate_sync(
         send = max_share / inter if placement.train_nodes > placement.engine_nodes else max_share / intra
         transfer = max(network, send, total / engine_tp / intra)
     else:
-        road = "one broadcast per bucket to every engine GPU (update_weights_from_distributed)"
+        road = (
+            "one broadcast per bucket from its sender to every engine GPU (update_weights_from_distributed), the "
+            "senders taking turns in one global order"
+        )
         link = intra if placement.single_node else inter
         ingress = total / (min(gpn, placement.gpus_per_engine) * link)
-        transfer = max(ingress, max_share / link, total / intra)
+        transfer = max(ingress, total / link, total / intra)  # the senders' turns: every byte through one link
     return SyncEstimate(
         total_bytes=total,
         num_senders=layout.pp * layout.ep,

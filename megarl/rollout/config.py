@@ -82,7 +82,7 @@ class HFEngineConfig:
     num_threads: int = 0
     """torch intra-op threads of the engine process; 0 keeps torch's default."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    """transformers attention kernel of the engine's model."""
+    """transformers attention kernel of the engine's model (gpt-oss runs eager: transformers has no sdpa for it)."""
     seed: int = 0
     """Seed of the engine's generator, from which requests without a seed draw theirs."""
     strict_weight_sync: bool = True
@@ -254,8 +254,9 @@ class RolloutConfig:
     """How weights reach the engines: `ipc` (CUDA IPC handles from the actor's GPU, engines on the same GPUs),
     `nccl` (SGLang engines on other GPUs: a broadcast group set up once), `object_store` (host copies through Ray's
     object store: CPU, and the fallback), `disk` (safetensors files in the run directory, read by every engine on
-    every node: engines across nodes); `auto` picks ipc when colocated on GPUs, nccl when split with SGLang and one
-    sending rank, object_store otherwise, and disk for engines across nodes that no broadcast reaches."""
+    every node: engines across nodes); `auto` picks ipc when colocated on GPUs, nccl when split with SGLang (any
+    actor layout: the sending ranks take turns), object_store otherwise, and disk for engines across nodes that no
+    broadcast reaches."""
     weight_sync_delta: Literal["auto", "on", "off"] = "auto"
     """Delta sync (megarl/workers/weight_delta.py): after a full sync, each sending rank sends only the elements
     whose bytes changed (indices + values) with a checksum per bucket that the engine verifies; a mismatch fails
@@ -276,6 +277,12 @@ class RolloutConfig:
     (`sync_probe`): after the first sync, after every sync (the synchronous loop; the asynchronous one probes its
     first), or never."""
     sync_probe: SyncProbeConfig = field(default_factory=SyncProbeConfig)
+    max_engine_restarts: int = 3
+    """Split placement, synchronous RL: how many times a run restarts a single rollout engine that died, hung past
+    its phase deadline or failed its health probe (killed, started again on its own GPUs, given a full weight sync;
+    the prompts it held go to the other engines). One more failure stops the run with the list of every engine
+    failure (engine, step, cause). 0: any engine failure restarts every role from the last checkpoint
+    (run.max_restarts), as it always does for hybrid engines, colocated placement and asynchronous RL."""
 
     def sync_delta(self, transport: str) -> bool:
         """Whether syncs after the first send deltas (weight_sync_delta resolved for the road `transport`)."""
@@ -307,5 +314,7 @@ class RolloutConfig:
             )
         if self.routed_experts not in ("auto", "off"):
             raise UserError(f"{key}.routed_experts={self.routed_experts!r}: valid are auto, off")
+        if isinstance(self.max_engine_restarts, bool) or self.max_engine_restarts < 0:
+            raise UserError(f"{key}.max_engine_restarts={self.max_engine_restarts} must be an integer >= 0")
         if self.bucket_bytes < 2**20:
             raise UserError(f"{key}.bucket_bytes={self.bucket_bytes} must be at least 1 MiB")

@@ -117,23 +117,26 @@ class HFEngine(RolloutEngine):
         if not (self.model_path / "config.json").is_file():
             raise UserError(f"hf engine: {self.model_path} is not a HF model folder (no config.json)")
         from megarl.bridge.fp8 import BlockFP8
+        from megarl.models.registry import required_hf_attn_implementation
 
         dtype = getattr(torch, self.config.dtype)
+        hf_config = load_hf_config(self.model_path)
+        attn_implementation = required_hf_attn_implementation(hf_config) or self.config.attn_implementation
         self._fp8 = BlockFP8.of_folder(self.model_path)
         if not any(self.model_path.glob("*.safetensors")) or self._fp8 is not None:
             # A config-only folder (a megarl checkpoint's hf/): the weights arrive with the first weight sync. An
             # FP8 checkpoint: built unquantized, its weights read dequantized next (transformers' FP8 needs a GPU).
-            config = load_hf_config(self.model_path)
-            config._attn_implementation = self.config.attn_implementation
+            config = hf_config
+            config._attn_implementation = attn_implementation
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 self.model_path,
-                config=load_hf_config(self.model_path),  # aliased model_types (Kimi K2) as their family's
+                config=hf_config,  # aliased model_types (Kimi K2) as their family's
                 dtype=dtype,
-                attn_implementation=self.config.attn_implementation,
+                attn_implementation=attn_implementation,
                 local_files_only=True,
             )
         return model.eval().requires_grad_(False).to(self.device)

@@ -8,8 +8,8 @@ the trainer computes (the logits at t predict token t+1). This is SGLang's own c
 Ids are stored compactly: uint8 up to 256 experts, int16 beyond (`RoutingLayout.dtype`).
 
 - `RoutingRecorder`: the `hf` engine's record, through forward hooks on the Hugging Face routers
-  (`model.layers.{i}.mlp.gate`, whose output ends with the chosen ids [tokens, topk]: Mixtral, Qwen3-MoE and
-  DeepSeek-V3 with group-limited routing alike in transformers 5.x).
+  (`model.layers.{i}.mlp.gate`, gpt-oss's `mlp.router`: `RoutingLayout.hf_router`), whose output ends with the chosen
+  ids [tokens, topk]: Mixtral, Qwen3-MoE, DeepSeek-V3 with group-limited routing and gpt-oss alike in transformers 5.x.
 - `decode_sglang_routing`: SGLang's `meta_info["routed_experts"]`, base64 of int32 [seqlen - 1, num_hidden_layers,
   topk] (sglang 0.5.23, `srt/state_capturer/routed_experts.py`), with the dense layers dropped.
 - `routing_problem`: what is wrong with a completion's routing (shape, ids out of range), in words.
@@ -35,12 +35,15 @@ class RoutingRecorder:
         self._handles = []
         layers = model.model.layers
         for position, layer_id in enumerate(layout.moe_layers):
-            gate = getattr(getattr(layers[layer_id], "mlp", None), "gate", None)
+            try:
+                gate = layers[layer_id].get_submodule(layout.hf_router)
+            except AttributeError:
+                gate = None
             if gate is None:
                 import transformers
 
                 raise RuntimeError(
-                    f"hf engine: model.layers.{layer_id}.mlp.gate (a MoE router) not found in "
+                    f"hf engine: model.layers.{layer_id}.{layout.hf_router} (a MoE router) not found in "
                     f"{type(model).__name__} (transformers {transformers.__version__}); routing cannot be recorded"
                 )
             self._handles.append(gate.register_forward_hook(self._hook(position)))

@@ -37,8 +37,11 @@ def context_length_of(model_path: str | os.PathLike) -> int | None:
     (YaRN) or is llama3's; 2048 without any (the contract tests compare with SGLang's own function). None when
     config.json cannot be read: requests are then sent as they are."""
     config = _config_json(model_path)
-    if config is None:
-        return None
+    return None if config is None else context_window(config)
+
+
+def context_window(config: dict[str, Any]) -> int:
+    """SGLang's context window of a parsed config.json (context_length_of's rule)."""
     config = config.get("text_config", config)
     scaling = config.get("rope_scaling") or {}
     factor = scaling.get("factor", 1)

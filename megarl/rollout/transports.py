@@ -8,8 +8,12 @@
   it to every trainer rank, each engine GPU opens the copy of the trainer rank under it by CUDA IPC, and the
   handle strings are gathered to the engine's first rank, which posts them: only handles cross the network. It
   resolves to the transport `ipc_relay`.
-- `nccl`: SGLang engines on GPUs of their own (split). The sending rank broadcasts each flattened bucket once to
-  every engine GPU through a process group set up at the first sync (update_weights_from_distributed).
+- `nccl`: SGLang engines on GPUs of their own (split), at any actor layout. Each sending rank (one per TP group:
+  each PP stage its layers, each EP rank its experts) broadcasts each of its flattened buckets once to every engine
+  GPU through a process group of its own with the engines, set up at its first bucket and kept between syncs
+  (update_weights_from_distributed: SGLang receives from rank 0 of a group only). The senders take turns in one
+  global order, actor rank 0 first (megarl/workers/nccl_senders.py): an engine serves one broadcast at a time, so
+  no two groups can wait on each other.
 - `object_store`: host copies through Ray's object store, to each engine's worker, which loads them (CPU, and the
   fallback for engines within a node).
 - `disk`: each sending rank writes its buckets as safetensors files into a folder of the run directory (a file
@@ -18,9 +22,9 @@
   rollout worker's host copies reach only the GPUs of its own node.
 - `in_process`: not a choice of `rollout.weight_sync`: a hybrid engine's (rollout.hf.hybrid: the engine runs inside
   the one actor worker) weights are copied in place by that worker (megarl/job.py `weight_sync_transport`).
-- `auto`: for engines within a node, ipc when colocated, nccl when split with SGLang and one sending rank,
-  object_store otherwise; for engines across nodes, ipc_relay when colocated with SGLang, nccl when split
-  with SGLang and one sending rank, else disk.
+- `auto`: ipc for colocated engines within a node, ipc_relay for colocated SGLang engines across nodes, nccl for
+  split SGLang engines (any actor layout, within a node or across nodes); otherwise object_store for engines within
+  a node and disk for engines across nodes.
 """
 
 from __future__ import annotations
@@ -37,27 +41,22 @@ def resolve_weight_sync(
     choice: str,
     backend: str,
     placement_mode: str,
-    actor_pp: int,
-    actor_ep: int,
     key: str = "rollout.weight_sync",
     engine_nodes: int = 1,
 ) -> Transport:
     """The transport for `choice` (rollout.weight_sync), or a UserError naming what rules it out. `engine_nodes`:
     the nodes one rollout engine spans."""
     colocated = placement_mode == "colocated"
-    one_sender = actor_pp == 1 and actor_ep == 1
     if choice == "auto":
+        if backend == "sglang" and not colocated:
+            return "nccl"
         if engine_nodes > 1:
-            if backend == "sglang" and colocated:
-                return "ipc_relay"
-            return "nccl" if backend == "sglang" and one_sender else "disk"
-        if colocated:
-            return "ipc"
-        return "nccl" if backend == "sglang" and one_sender else "object_store"
+            return "ipc_relay" if backend == "sglang" else "disk"
+        return "ipc" if colocated else "object_store"
     if choice == "object_store" and engine_nodes > 1:
         raise UserError(
             f"{key}={choice} reaches only the GPUs of one node, and each rollout engine spans {engine_nodes} nodes; "
-            "use disk, ipc (colocated SGLang: the per-node relay) or nccl (split placement, actor pp=1 and ep=1)"
+            "use disk, ipc (colocated SGLang: the per-node relay) or nccl (SGLang, placement.mode=split)"
         )
     if choice == "ipc" and engine_nodes > 1 and colocated:
         if backend != "sglang":
@@ -76,12 +75,6 @@ def resolve_weight_sync(
             raise UserError(f"{key}=nccl broadcasts into SGLang servers; rollout.backend={backend!r}: use object_store")
         if colocated:
             raise UserError(f"{key}=nccl is for engines on GPUs of their own (placement.mode=split); colocated: ipc")
-        if not one_sender:
-            raise UserError(
-                f"{key}=nccl takes one sending rank: the actor has pp={actor_pp}, ep={actor_ep} (one sender per stage "
-                "and expert rank, whose broadcasts into shared engines could deadlock); use object_store, or pp=1 "
-                "and ep=1"
-            )
     if choice not in TRANSPORTS:
         raise UserError(f"{key}={choice!r}: valid are auto, {', '.join(TRANSPORTS)}")
     return choice  # type: ignore[return-value]

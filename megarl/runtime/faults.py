@@ -15,6 +15,7 @@ phase deadlines' tests), `nan` (the point's caller makes its value non-finite), 
 tampering of `tamper` (`swap_layers`, `corrupt_expert`: a sync that sends wrong weights whose norms are right, for
 the sync probe's tests). Points are named where `hit` or `tamper` is called.
 
+A point may take several faults at different counts (`sigkill:rollout.generate:2,hang:rollout.generate:4`).
 Counts are per process. With MEGARL_FAULTS_RANK=R faults fire only in worker processes of rank R (env RANK: e.g.
 rollout engine R), nowhere else. With MEGARL_FAULTS_ONCE=DIR a fault fires once per DIR across processes and restarts (a
 marker file records it): a run that restarts its workers after the fault does not meet it again.
@@ -36,11 +37,12 @@ HANG_S = 3600.0
 _hits: Counter[str] = Counter()
 
 
-def _spec() -> dict[str, tuple[str, int]]:
-    faults: dict[str, tuple[str, int]] = {}
+def _spec() -> dict[str, dict[int, str]]:
+    """{point: {count: action}}."""
+    faults: dict[str, dict[int, str]] = {}
     for item in filter(None, (part.strip() for part in os.environ.get(ENV, "").split(","))):
         action, point, *count = item.split(":")
-        faults[point] = (action, int(count[0]) if count else 1)
+        faults.setdefault(point, {})[int(count[0]) if count else 1] = action
     return faults
 
 
@@ -49,13 +51,14 @@ def hit(point: str) -> bool:
     caller spoils its value), False otherwise."""
     if ENV not in os.environ:
         return False
-    fault = _spec().get(point)
+    faults = _spec().get(point)
     rank = os.environ.get(RANK_ENV)
-    if fault is None or (rank is not None and rank != os.environ.get("RANK")):
+    if faults is None or (rank is not None and rank != os.environ.get("RANK")):
         return False
     _hits[point] += 1
-    action, count = fault
-    if _hits[point] != count:
+    count = _hits[point]
+    action = faults.get(count)
+    if action is None:
         return False
     once = os.environ.get(ONCE_ENV)
     if once:
@@ -82,10 +85,11 @@ def tamper(point: str, bucket: list) -> list:
     for this pass through `point`."""
     if ENV not in os.environ:
         return bucket
-    fault = _spec().get(point)
-    if fault is None or fault[0] not in TAMPERS or not hit(point):
+    faults = _spec().get(point, {})
+    if not any(action in TAMPERS for action in faults.values()) or not hit(point):
         return bucket
-    return TAMPERS[fault[0]](bucket)
+    action = faults.get(_hits[point], "")
+    return TAMPERS[action](bucket) if action in TAMPERS else bucket
 
 
 _LAYER_MLP = re.compile(r"\.layers\.([01])\.mlp\.")

@@ -30,8 +30,9 @@ def make_hf_checkpoint(
 ) -> Path:
     """Build a random model from `config` (a name under configs/models/ or a config dict) and save it.
 
-    One-dimensional weights and buffers (norms, biases, DeepSeek's expert-selection bias) are randomized too: HF
-    initializes them to ones and zeros, which would let a mapping that swaps two norms pass every numeric check.
+    One-dimensional weights and buffers (norms, biases, DeepSeek's expert-selection bias) and biases stacked over
+    experts (gpt-oss) are randomized too: HF initializes them to ones and zeros, which would let a mapping that swaps
+    two norms pass every numeric check.
     """
     from transformers import AutoModelForCausalLM
 
@@ -44,8 +45,8 @@ def make_hf_checkpoint(
     model = AutoModelForCausalLM.from_config(hf_config)
     saved = model.state_dict()
     with torch.no_grad():
-        for tensor in model.parameters():
-            if tensor.dim() == 1:
+        for name, tensor in model.named_parameters():
+            if tensor.dim() == 1 or name.endswith("_bias"):
                 tensor.add_(torch.randn_like(tensor) * 0.2)
         for name, tensor in model.named_buffers():
             if tensor.dim() == 1 and tensor.is_floating_point() and name in saved:

@@ -43,7 +43,8 @@ from megarl.workers.bucket_transport import device_uuid
 from megarl.workers.sync_route import SyncRoute
 
 Serializer = Callable[[FlatBucket], str]
-_END = "end"
+END = "end"
+"""What the producer thread queues after this rank's last bucket (`export_on_thread`)."""
 _FAILED = "failed"
 
 
@@ -79,6 +80,18 @@ def engine_groups(world_size: int, gpus_per_engine: int) -> RelayGroups:
     return RelayGroups(*mine, gpus_per_engine, everyone)
 
 
+def export_on_thread(buckets: Iterable[Bucket], device: torch.device | None) -> tuple[queue.Queue, threading.Thread]:
+    """This rank's export stream consumed on a producer thread (started here), so that its TP gathers never wait
+    for another rank's turn: (the queue of its buckets, then END or the exception that stopped the stream; the
+    thread). The queue is unbounded: an owner holds the buckets it exported before its turn."""
+    produced: queue.Queue = queue.Queue()
+    producer = threading.Thread(
+        target=_produce, args=(buckets, produced, device), name="megarl-relay-export", daemon=True
+    )
+    producer.start()
+    return produced, producer
+
+
 def _produce(buckets: Iterable[Bucket], out: queue.Queue, device: torch.device | None) -> None:
     """The producer thread: this rank's export stream into `out`, then an end mark (or the failure)."""
     try:
@@ -86,8 +99,8 @@ def _produce(buckets: Iterable[Bucket], out: queue.Queue, device: torch.device |
             torch.cuda.set_device(device)  # the current device is per thread
         for bucket in buckets:
             out.put(bucket)
-        out.put(_END)
-    except BaseException as err:  # handed to the relay thread, which tells every rank
+        out.put(END)
+    except BaseException as err:  # handed to the consuming thread, which tells every rank
         out.put(err)
 
 
@@ -98,9 +111,7 @@ def relay_buckets(
     the global order (rank 0's buckets, then rank 1's, ...). Yields (bucket, whether this rank owns it). `own` is
     this rank's export stream (it may yield nothing); it is consumed on a producer thread."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    produced: queue.Queue = queue.Queue()
-    producer = threading.Thread(target=_produce, args=(own, produced, device), name="megarl-relay-export", daemon=True)
-    producer.start()
+    produced, producer = export_on_thread(own, device)
     failed = False
     try:
         for owner in range(world):
@@ -116,7 +127,7 @@ def relay_buckets(
                     if isinstance(item, BaseException):
                         raise item
                     raise RuntimeError(f"weight sync (IPC relay): the export failed on {header[1]}")
-                if header == _END:
+                if header == END:
                     break
                 if part is None:
                     entries = [FlatEntry(*entry) for entry in header]
@@ -139,7 +150,7 @@ def _announce(item, device: torch.device, rank: int) -> tuple[FlatBucket | None,
         return None, (_FAILED, f"rank {rank}: {type(item).__name__}: {item}")
     part = None if isinstance(item, str) else flatten_bucket(item, device)
     if part is None:
-        return None, _END
+        return None, END
     return part, [(e.name, e.shape, e.dtype, e.start, e.end) for e in part.entries]
 
 

@@ -15,11 +15,17 @@ so those still run one at a time, as on a single-threaded worker. The engine com
 (`_compute`), whichever of Ray's threads took the call: every thread that runs torch ops gets an OpenMP team of its
 own, and on a CPU the idle teams' spinning threads take the cores from the working one (a generate call from
 Ray's changing threads took twice as long as from one thread: tools/bench/README.md, vs_trl).
+
+Version fence: an engine started again after a failure (`setup(..., fenced=True)`), or whose weight update was
+abandoned or did not finish, refuses to generate (EngineFenced, naming why) until a full weight update completes;
+a delta update is refused while it is fenced (megarl/trainer/rollout_side/engine_fleet.py).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -80,6 +86,27 @@ def sglang_launch_kwargs(config: RolloutConfig, gpu_ids: Sequence[str] | None, m
     }
 
 
+class EngineFenced(RuntimeError):
+    """The engine holds no complete weights of a known version: it generates again after a full weight sync."""
+
+
+def reap_process_groups(pgids: Sequence[int]) -> None:
+    """SIGKILL what is left of a dead engine's own processes on this node (an SGLang server runs in a process group
+    of its own, which outlives the worker that started it)."""
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            continue
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+
+
 class RolloutWorker(Worker):
     process_group_backend = "gloo"
     """The engines run in their own processes; the group itself only coordinates (and an engine of several GPUs
@@ -95,6 +122,8 @@ class RolloutWorker(Worker):
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine") if engine_thread else None
         self._nodes: list = []
         self._node_slots: list[EngineNodeSlot] = []
+        self._fence: str | None = None
+        """Why the engine refuses to generate (None: it serves)."""
 
     def _on_engine_thread(self, fn: Callable, *args: Any) -> Any:
         """fn(*args) on the engine's compute thread (one OpenMP team for the process), waiting for its result."""
@@ -108,16 +137,22 @@ class RolloutWorker(Worker):
         config: RolloutConfig,
         gpu_ids: Sequence[str] | None = None,
         nodes: Sequence[EngineNodeSlot] = (),
+        fenced: str | None = None,
+        reap: Sequence[int] = (),
     ) -> dict[str, Any]:
         """Start the engine on `model_path`; a megarl checkpoint gives its HF config and tokenizer only (the
         weights arrive with the first sync). `gpu_ids`: the engine's GPUs on this node, for an engine of several
-        (None: the engine uses what this worker sees). `nodes`: the engine's other nodes (node-rank 1, 2, ...)."""
+        (None: the engine uses what this worker sees). `nodes`: the engine's other nodes (node-rank 1, 2, ...).
+        `fenced`: why the engine must not generate before a full weight sync (an engine started again). `reap`:
+        process groups of the engine this one replaces, killed first. Returns the seconds it took and the engine's
+        own process groups (`process_groups`)."""
         from transformers.utils import logging as hf_logging
 
         from megarl.checkpoint.model_dir import hf_config_dir
 
         hf_logging.disable_progress_bar()  # one bar per engine in the driver's log says nothing
         start = time.perf_counter()
+        reap_process_groups(reap)
         with self._lock:
             kwargs = sglang_launch_kwargs(config, gpu_ids, model_path) if config.backend == "sglang" else {}
             kwargs["record_routing"] = config.routed_experts == "auto"  # MoE models only: the engine checks
@@ -129,7 +164,20 @@ class RolloutWorker(Worker):
             )
             self._sync_start = 0.0
             self._sync_tensors = self._sync_bytes = 0
-        return {"seconds": time.perf_counter() - start}
+            self._fence = fenced
+        return {"seconds": time.perf_counter() - start, "process_groups": self._process_groups()}
+
+    def _process_groups(self) -> list[int]:
+        """The engine's own server process group on this node (SGLang; none for the in-process hf engine)."""
+        process = getattr(getattr(self.engine, "server", None), "process", None)
+        return [process.pid] if process is not None else []
+
+    def _check_fence(self) -> None:
+        if self._fence is not None:
+            raise EngineFenced(
+                f"rollout engine {self.rank} refuses to generate: {self._fence}; it serves again after a full weight "
+                "sync"
+            )
 
     def _start_other_nodes(self, model_path: str, config: RolloutConfig, kwargs: dict, slots: list) -> NodePlace:
         """Launch node-ranks 1.. of this engine (one EngineNode actor each); returns node 0's place, where they
@@ -178,6 +226,7 @@ class RolloutWorker(Worker):
 
     def generate(self, requests: list[GenerateRequest], sampling: SamplingParams) -> list[list[Completion]]:
         faults.hit("rollout.generate")
+        self._check_fence()
         self.check_nodes()
         with self._lock:
             return self._checked(self.engine.generate, requests, sampling)
@@ -191,8 +240,16 @@ class RolloutWorker(Worker):
         """The version of the weights the engine serves (does not wait for a generate call)."""
         return int(self.engine.weight_version)
 
-    def begin_weight_update(self, version: int) -> None:
+    def begin_weight_update(self, version: int, full: bool = True) -> None:
+        """Open the update to `version`; `full`: whole tensors (False: deltas against the last full sync, refused by
+        a fenced engine). Until it finishes, the engine refuses to generate."""
+        if not full and self._fence is not None:
+            raise EngineFenced(
+                f"rollout engine {self.rank} refuses a delta weight update to version {version}: {self._fence}; it "
+                "needs a full one"
+            )
         with self._lock:
+            self._fence = self._fence or f"the weight update to version {version} did not finish"
             self._sync_start = time.perf_counter()
             self._sync_tensors = self._sync_bytes = 0
             self.check_nodes()
@@ -220,6 +277,7 @@ class RolloutWorker(Worker):
 
     def abandon_weight_update(self, reason: str) -> None:
         """A sync failed on the sending side: the engine must not serve the mix of weights it may hold."""
+        self._fence = f"a weight update was abandoned ({reason})"
         if hasattr(self.engine, "abandon_weight_update"):
             self.engine.abandon_weight_update(reason)
 
@@ -244,6 +302,7 @@ class RolloutWorker(Worker):
     def finish_weight_update(self, version: int) -> SyncStats:
         with self._lock:
             self._checked(self.engine.finish_weight_update, version)
+            self._fence = None  # a full update, or a delta onto an engine that was not fenced
             seconds = time.perf_counter() - self._sync_start
             return SyncStats(version, self._sync_tensors, self._sync_bytes, seconds)
 
@@ -271,6 +330,7 @@ class RolloutWorker(Worker):
         when it cannot (a lost node, a dead server, a refused generate)."""
         faults.hit("rollout.health")
         start = time.perf_counter()
+        self._check_fence()
         self.check_nodes()
         with self._lock:
             self._checked(self.engine.health_probe, timeout_s)

@@ -8,8 +8,10 @@ bucket and engine, the road (megarl/rollout/transports.py):
 - ipc, for an engine on this rank's GPU: a CUDA IPC handle on a flattened copy, no host copy. An SGLang engine gets
   SGLang's own flattened-bucket payload posted straight to its server (update_weights_from_tensor, one payload per
   engine TP rank); the hf engine's worker gets the handle through Ray. Engines elsewhere take the object store;
-- nccl (SGLang engines on GPUs of their own): the sending rank broadcasts each flattened bucket to every engine GPU
-  through an SGLangWeightSender it keeps between syncs (closed on any failure, so the next sync starts clean);
+- nccl (SGLang engines on GPUs of their own): each sending rank broadcasts each of its flattened buckets to every
+  engine GPU through an SGLangWeightSender (a group of its own with the engines) it keeps between syncs (closed on
+  any failure, so the next sync starts clean); with several actor ranks the senders take turns in one global order
+  (megarl/workers/nccl_senders.py), so every engine receives from one group at a time;
 - in_process (the hybrid engine: workers/hybrid_worker.py): the engine lives in the sending worker, which hands it
   each bucket directly (the engine copies the tensors into its model). With several actor workers (one engine
   each) every bucket first reaches every rank through the relay's broadcast below (`relay_buckets`);
@@ -44,6 +46,7 @@ from megarl.rollout.sglang_weights import unflatten
 from megarl.runtime import faults
 from megarl.workers.bucket_transport import device_uuid, pack_bucket, pack_bucket_ipc
 from megarl.workers.ipc_relay import relay_each, relay_weights
+from megarl.workers.nccl_senders import close_sender, connect_sender, kept_sender, send_in_turns
 from megarl.workers.sync_route import SyncRoute
 from megarl.workers.weight_delta import DeltaEncoder, delta_to_bucket
 
@@ -61,6 +64,13 @@ class SenderState:
     """What a sending rank keeps between syncs: the NCCL group with the SGLang engines."""
 
     nccl: object | None = None
+    """The nccl road: this rank's weight-update group with the engines (an SGLangWeightSender), from its first
+    bucket on."""
+    nccl_key: tuple | None = None
+    """What `nccl` was set up for: (group name, the engines' endpoints) (nccl_senders.kept_sender)."""
+    turns: object | None = None
+    """The nccl road with several actor ranks: the gloo group of the whole actor that passes the senders' turns
+    (megarl/workers/nccl_senders.py), created at the first sync."""
     local_engine: Callable[[Bucket], None] | None = None
     """The in_process road: the engine in this worker (workers/hybrid_worker.py), given each bucket directly."""
     files_written: int = 0
@@ -83,6 +93,16 @@ def send_weights(
         with torch.no_grad():
             sent = relay_weights(_exported(model, bucket_bytes, fp8), route, state, keep_samples)
         return sent | {"seconds": time.perf_counter() - start}
+    if route.transport == "nccl" and dist.is_initialized() and dist.get_world_size() > 1:
+        fp8 = BlockFP8.from_config(route.quantization, "rollout.weights_format") if route.quantization else None
+        try:
+            with torch.no_grad():
+                sent = send_in_turns(_exported(model, bucket_bytes, fp8), route, state, keep_samples)
+        except BaseException:
+            close_sender(state)  # a half-used group is not reused: the next sync sets up fresh ones
+            raise
+        seconds = time.perf_counter() - start
+        return sent | {"full_bytes": sent["bytes"], "seconds": seconds, "ipc_engines": 0.0, "in_process_engines": 0.0}
     if route.transport == "in_process" and dist.is_initialized() and dist.get_world_size() > 1:
         with torch.no_grad():
             sent = _relay_in_process(_exported(model, bucket_bytes, None), state, keep_samples)
@@ -154,14 +174,6 @@ def _relay_in_process(buckets, state: SenderState, keep_samples: bool) -> dict:
     return sent | {"full_bytes": sent["bytes"], "ipc_engines": 0.0, "in_process_engines": 1.0}
 
 
-def close_sender(state: SenderState) -> None:
-    if state.nccl is not None:
-        try:
-            state.nccl.close()
-        finally:
-            state.nccl = None
-
-
 def _roads(route: SyncRoute) -> list[str]:
     """Per engine: in_process, ipc (on this rank's GPU), nccl, disk or object_store."""
     if route.transport in ("nccl", "disk", "in_process"):
@@ -188,9 +200,7 @@ def _send_bucket(bucket: Bucket, route: SyncRoute, roads: list[str], state: Send
     if "disk" in roads:  # one file for every engine: they all read the folder
         _write_bucket(bucket, route.disk_dir, state)
     if "nccl" in roads:
-        if state.nccl is None:
-            state.nccl = _connect_sender(route)
-        state.nccl.send_bucket(bucket)
+        kept_sender(state, route, route.group_name, lambda: _connect_sender(route)).send_bucket(bucket)
     hf_ipc = [e for e, road in zip(route.engines, roads) if road == "ipc" and e.sglang is None]
     if hf_ipc:
         packed, buffer = pack_bucket_ipc(bucket)  # the buffer lives until the engines have copied
@@ -223,22 +233,8 @@ def _write_bucket(bucket: Bucket, folder: str, state: SenderState) -> None:
 
 
 def _connect_sender(route: SyncRoute):
-    import ray
-
-    from megarl.rollout.sglang_weights import SGLangWeightSender
-
-    endpoints = [engine.sglang for engine in route.engines]
-    if any(endpoint is None for endpoint in endpoints):
-        raise RuntimeError("rollout.weight_sync=nccl reaches SGLang engines only; an engine here is not one")
-    sender = SGLangWeightSender(
-        endpoints,
-        master_address=ray.util.get_node_ip_address(),
-        backend="nccl" if torch.cuda.is_available() else "gloo",
-        group_name=route.group_name,
-        timeout_s=route.timeout_s,
-    )
-    sender.connect()
-    return sender
+    """The one sending rank of a single-process actor: rank 0 of the group `route.group_name` with the engines."""
+    return connect_sender(route, route.group_name)
 
 
 def _wait(item: InFlight) -> None:

@@ -12,12 +12,16 @@ one EngineNode actor per node, on that node's first bundle (megarl/workers/engin
 
 Hybrid engines (rollout.hf.hybrid: colocated one-GPU hf engines) have no workers: actor worker i hosts engine i,
 and `roles.rollout` is a view of the actor group (megarl/workers/hybrid_worker.py).
+
+The engines' group is an EngineFleet (megarl/trainer/rollout_side/engine_fleet.py): with split placement and
+synchronous RL it starts a failed engine again alone, on its own bundle, up to rollout.max_engine_restarts times;
+colocated engines share their GPUs with the training roles, and an asynchronous run's producer generates while the
+actor trains, so there (and for hybrid engines) an engine failure restarts every role (run.max_restarts).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,10 +30,10 @@ from megarl.cluster.config import ClusterConfig
 from megarl.cluster.resource_pool import BundleGPUs, ResourcePool
 from megarl.cluster.worker_group import WorkerGroup, start_groups
 from megarl.errors import UserError
+from megarl.trainer.rollout_side.engine_fleet import EngineFleet
 from megarl.workers.engine_nodes import NOSET_CUDA_VISIBLE_DEVICES, EngineNodeSlot
 from megarl.workers.hybrid_worker import EngineView, HybridActorWorker
 from megarl.workers.megatron_worker import MegatronWorker
-from megarl.workers.rollout_worker import RolloutWorker
 
 if TYPE_CHECKING:
     from megarl.job import JobConfig, RoleConfig
@@ -43,7 +47,7 @@ scores the rollout's tokens (trainer/loops/rl_steps.py, LOGPROB_TENSORS)."""
 @dataclass
 class Roles:
     actor: WorkerGroup
-    rollout: WorkerGroup | EngineView
+    rollout: EngineFleet | EngineView
     """The rollout engines' workers; a hybrid engine's (rollout.hf.hybrid) are the actor's: an EngineView."""
     critic: WorkerGroup | None
     ref: WorkerGroup | None
@@ -77,20 +81,6 @@ class Roles:
             group.shutdown()
         for pool in self.pools:
             pool.remove()
-
-
-def local_cluster(config: JobConfig) -> ClusterConfig:
-    """The cluster settings to start Ray with: a local instance without GPUs announces as many logical GPUs as the
-    placement needs (placement groups and bundles then work exactly as on a GPU node)."""
-    cluster = config.cluster
-    if not cluster.is_local or cluster.logical_gpus is not None:
-        return cluster
-    import torch
-
-    if torch.cuda.is_available():
-        return cluster
-    needed = config.placement.train_gpus + config.placement.rollout_gpus
-    return dataclasses.replace(cluster, logical_gpus=needed, gpus_per_node=needed)
 
 
 def _pool(name: str, num_gpus: int, cluster: ClusterConfig, cpus: float) -> ResourcePool:
@@ -187,10 +177,10 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
     if hybrid:
         rollout = EngineView(groups["actor"])
     else:
-        rollout = WorkerGroup(
-            RolloutWorker,
+        rollout = EngineFleet(
             rollout_pool,
             "rollout",
+            max_restarts=engine_restarts(config),
             world_size=rollout_pool.world_size // gpus_per_engine,
             num_gpus_per_worker=rollout_share,
             env=rollout_env,
@@ -213,6 +203,13 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
     )
     setup_roles(config, roles, rl_optimizer_steps, resume)
     return roles
+
+
+def engine_restarts(config: JobConfig) -> int:
+    """How many times single engines are started again (rollout.max_engine_restarts): 0 unless the engines have
+    GPUs of their own and the loop is synchronous (module docstring)."""
+    split, sync = config.placement.mode == "split", config.rl.mode == "sync"
+    return config.rollout.max_engine_restarts if split and sync and not config.hybrid_engine() else 0
 
 
 def setup_roles(config: JobConfig, roles: Roles, rl_optimizer_steps: int, resume: Any = None) -> None:
@@ -238,16 +235,19 @@ def setup_roles(config: JobConfig, roles: Roles, rl_optimizer_steps: int, resume
         pending.append(
             _setup(roles.reward_model, config.reward_model, "value", optim, config.rm.num_steps, seed, resume)
         )
-    for call in pending:
-        call.result()
+    results = [call.result() for call in pending]
+    if not isinstance(roles.rollout, EngineView):
+        roles.rollout.started(results[1])  # the engines' process groups: reaped when one is started again
 
 
 def _setup_rollout(
-    group: WorkerGroup,
+    group: EngineFleet | EngineView,
     config: JobConfig,
     engine_gpu_ids: list[list[str]] | None,
     engine_nodes: list[list[EngineNodeSlot]] | None = None,
 ):
+    if not isinstance(group, EngineView):
+        group.keep_setup(config.model.path, config.rollout, engine_gpu_ids, engine_nodes)
     if engine_gpu_ids is None:
         return group.async_call("setup", config.model.path, config.rollout)
     num_engines = len(engine_gpu_ids)

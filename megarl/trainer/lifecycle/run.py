@@ -22,18 +22,20 @@ from megarl.trainer.lifecycle.run_checkpoint import RunCheckpoints, TrainerState
 from megarl.trainer.loops.steps import StopRun
 
 if TYPE_CHECKING:
+    from megarl.cluster.ray_runtime import BackgroundStart
     from megarl.job import JobConfig
 
 log = logging.getLogger("megarl")
 
 
-def train(config: JobConfig) -> int:
+def train(config: JobConfig, ray_start: BackgroundStart | None = None) -> int:
     """Run every stage of `config`; returns the exit code (0 done, 130 interrupted, 75 stopped by SIGTERM or
     SIGUSR1 to be requeued: see STOP_SIGNALS). A worker that dies or fails
-    mid-run makes every role restart from the last checkpoint, up to run.max_restarts times."""
+    mid-run makes every role restart from the last checkpoint, up to run.max_restarts times. `ray_start`: the
+    local Ray instance, already booting (megarl/trainer/lifecycle/ray_start.py); the caller closes it."""
     try:
         with _stop_signals_outside_steps():
-            return _train(config)
+            return _train(config, ray_start)
     except SignalOutsideSteps as stop:
         name = signal.Signals(stop.signum).name
         print(
@@ -70,7 +72,7 @@ def _stop_signals_outside_steps() -> Iterator[None]:
             signal.signal(signum, before)
 
 
-def _train(config: JobConfig) -> int:
+def _train(config: JobConfig, ray_start: BackgroundStart | None) -> int:
     from megarl.checkpoint.hub import localize_model_paths
     from megarl.cluster.errors import WorkerError
     from megarl.config import config_hash, save_resolved
@@ -101,7 +103,8 @@ def _train(config: JobConfig) -> int:
             log.warning("the config differs from the one that wrote %s; continuing with the new one", latest)
         try:
             with ExitStack() as stack:
-                run = _start(config, run_dir, checkpoints, state, latest, stack, tokenizer, data)
+                booting, ray_start = ray_start, None  # a restart starts Ray again
+                run = _start(config, run_dir, checkpoints, state, latest, stack, tokenizer, data, booting)
                 code = _run_stages(run, data)
             _summarize(config, checkpoints, code, time.monotonic() - started)  # plots drawn, workers stopped
             return code
@@ -198,7 +201,15 @@ def _single_threaded_torch() -> Iterator[None]:
 
 
 def _start(
-    config: JobConfig, run_dir: Path, checkpoints, state: TrainerState, latest, stack: ExitStack, tokenizer, data
+    config: JobConfig,
+    run_dir: Path,
+    checkpoints,
+    state: TrainerState,
+    latest,
+    stack: ExitStack,
+    tokenizer,
+    data,
+    ray_start: BackgroundStart | None = None,
 ):
     from megarl.cluster.orphans import kill_leftover_processes, record_local_processes
     from megarl.cluster.ray_runtime import start_ray, stop_ray
@@ -207,28 +218,39 @@ def _start(
     from megarl.trainer.lifecycle.checkpointer import Checkpointer
     from megarl.trainer.lifecycle.deadline_defaults import phase_timeouts
     from megarl.trainer.lifecycle.handover import Handover
-    from megarl.trainer.lifecycle.roles import local_cluster, start_roles
+    from megarl.trainer.lifecycle.roles import start_roles
     from megarl.trainer.lifecycle.stage_data import RunParts, restore_positions, total_steps
     from megarl.trainer.loops.evaluation import Evaluator
     from megarl.trainer.loops.steps import Steps
     from megarl.trainer.observability.memory_metrics import MemoryProbe
     from megarl.trainer.observability.metrics import build_logger
+    from megarl.trainer.observability.plots import BackgroundPlotter
     from megarl.trainer.observability.progress import RunProgress
     from megarl.trainer.rollout_side.agent_rollout import rollout_generator
     from megarl.trainer.rollout_side.engine_sync import WeightSync
     from megarl.trainer.rollout_side.sync_probe import build_probe
 
     restore_positions(data, state)
+    plots = BackgroundPlotter(run_dir) if config.logging.plots else None
+    if plots is not None:  # the last callback to run: the final drawing overlaps everything's shutdown
+        stack.callback(plots.close, False)
     stack.enter_context(_single_threaded_torch())
     rewards = stack.enter_context(RewardRunner(config.reward))
-    cluster = local_cluster(config)
-    if cluster.is_local:
-        kill_leftover_processes(run_dir)  # of an earlier driver of this run that was killed hard
-    start_ray(cluster)
+    cluster = config.ray_cluster()
+    if ray_start is not None:
+        ray_info = ray_start.result()
+    else:
+        if cluster.is_local:
+            kill_leftover_processes(run_dir)  # of an earlier driver of this run that was killed hard
+        ray_info = start_ray(cluster)
     stack.callback(stop_ray)
+    kind = "a local instance" if ray_info.started_locally else f"joined {ray_info.address}"
+    _say(f"Ray: {kind} ({ray_info.describe()}); starting the workers")
     resume = _Resume(latest, state.stage_index) if latest else None
+    begun = time.monotonic()
     roles = start_roles(config, rl_optimizer_steps(config), resume)
     stack.callback(roles.shutdown)
+    _say(f"workers ready in {time.monotonic() - begun:.1f} s ({_describe_workers(roles)})")
     if cluster.is_local:
         record_local_processes(run_dir)
     if latest is not None:
@@ -267,11 +289,27 @@ def _start(
         evaluator,
         num_sample_logs=config.rl.num_sample_logs,
         deadlines=phase_timeouts(config, len(data.eval_prompts) if data.eval_prompts is not None else 0),
+        plots=plots,
+        should_plot=config.logging.should_plot,
     )
     log.info("phase deadlines (s): %s", ", ".join(f"{name} {s:g}" for name, s in steps.deadlines.items()))
-    if config.logging.plots:
-        stack.callback(_plot, run_dir)
+    if plots is not None:
+        stack.callback(plots.finish)
     return RunParts(config, roles, tokenizer, rewards, checkpoints, steps, handover, sync)
+
+
+def _say(line: str) -> None:
+    """A start-up line: before the first step the progress display does not exist yet."""
+    print(f"megarl: {line}", flush=True)
+
+
+def _describe_workers(roles) -> str:
+    from megarl.workers.hybrid_worker import EngineView
+
+    groups = [f"{group.role} {group.world_size}" for group in roles.training_groups()]
+    engines = roles.rollout.world_size
+    where = "inside the actor's workers" if isinstance(roles.rollout, EngineView) else "in workers of their own"
+    return f"{', '.join(groups)}; {engines} rollout engine{'s' * (engines != 1)} {where}"
 
 
 class _Resume:
@@ -363,12 +401,3 @@ def _stop_handler(steps, received: list[int]):
         )
 
     return handle
-
-
-def _plot(run_dir: Path) -> None:
-    from megarl.trainer.observability.plots import plot_run
-
-    try:
-        plot_run(run_dir)
-    except Exception as err:  # plots must never fail a finished run
-        log.warning("could not write plots: %s", err)

@@ -48,6 +48,10 @@ class Steps:
     (cluster.call_timeout_s)."""
     stop_requested: bool = False
     """Set by Ctrl-C: the loop finishes the step, saves a checkpoint and returns."""
+    plots: Any = None
+    """The run's BackgroundPlotter (None: logging.plots=false), asked to redraw when `should_plot` says so."""
+    should_plot: Any = None
+    """logging.should_plot(global_step)."""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -97,6 +101,8 @@ class Steps:
         if batch is not None and self.num_sample_logs:
             self._log_samples(batch)
         self.progress.update(self.state.global_step, metrics)
+        if self.plots is not None and not last and self.should_plot(self.state.global_step):
+            self.plots.request()  # skipped while a redraw is still under way
         faults.hit("step.logged")
         self._report_skips(metrics)
         every = self.checkpoint.every

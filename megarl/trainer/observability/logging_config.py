@@ -85,7 +85,8 @@ class LoggingConfig:
     plots: bool = True
     """Write PNG plots of the metrics to run_dir/plots/ (`megarl plot RUN_DIR` makes them at any time)."""
     plot_every: int = 50
-    """Redraw the plots every this many steps; 0 = only at the end of the run."""
+    """Redraw the plots every this many steps (in the background, while training goes on); 0 = only at the end of
+    the run."""
     console_every: int = 1
     """Print a metrics line every this many steps when the live display is off (not a terminal, or progress=false);
     the live display refreshes every step."""
@@ -105,8 +106,7 @@ class LoggingConfig:
         if not self.plots and self.plot_every != LoggingConfig.plot_every:
             warnings.warn(f"{key}.plot_every has no effect with {key}.plots=false", UserWarning, stacklevel=2)
 
-    def should_plot(self, step: int, last_step: int) -> bool:
-        """Whether the trainer redraws the plots after `step` (always after the last step when plots are on)."""
-        if not self.plots:
-            return False
-        return step >= last_step or (self.plot_every > 0 and step % self.plot_every == 0)
+    def should_plot(self, step: int) -> bool:
+        """Whether the trainer redraws the plots after `step` while the run goes on (in the background; they are
+        always drawn when the run ends)."""
+        return self.plots and self.plot_every > 0 and step % self.plot_every == 0

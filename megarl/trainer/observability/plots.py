@@ -193,6 +193,19 @@ class BackgroundPlotter:
         self._thread.start()
         return True
 
+    def finish(self) -> None:
+        """Draw once more in the background (the run's last steps), after any redraw under way; `close(final=False)`
+        waits for it. A run calls this first when it ends, so the drawing overlaps the workers' shutdown."""
+        previous = self._thread
+
+        def draw() -> None:
+            if previous is not None:
+                previous.join()
+            self._draw()
+
+        self._thread = threading.Thread(target=draw, name="megarl-plots", daemon=True)
+        self._thread.start()
+
     def close(self, final: bool = True) -> list[Path]:
         """Wait for a running redraw; with `final`, draw once more in this thread (the run's last steps) and return
         the files."""

@@ -3,8 +3,9 @@
 
 A healthy fleet gives `rollout/engines_healthy` (how many engines answered) and `rollout/engine_health_s` (the
 slowest engine's seconds). An engine that fails the probe (a dead server, a lost node, an engine that refuses to
-generate after an abandoned weight update), died, or does not answer in time stops the step with a WorkerError
-naming its rank (rank k of the rollout role is engine k) and the phase: a failure for run.max_restarts.
+generate after an abandoned weight update), died, or does not answer in time is started again alone and synced
+when the fleet restarts engines (engine_fleet.py, rollout.max_engine_restarts), and otherwise stops the step with a
+WorkerError naming its rank (rank k of the rollout role is engine k) and the phase: a failure for run.max_restarts.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ DEFAULT_PROBE_S = 120.0
 
 def probe_engines(rollout, timeout_s: float = DEFAULT_PROBE_S) -> dict[str, float]:
     """Probe every engine of `rollout` (a worker group, or a hybrid job's EngineView); its health metrics."""
-    seconds = rollout.call("health_probe", timeout_s)
-    return {"rollout/engines_healthy": float(len(seconds)), "rollout/engine_health_s": max(seconds)}
+    if getattr(rollout, "recovers", False):  # an EngineFleet: failed engines are started again
+        seconds = rollout.probe(timeout_s)
+    else:
+        seconds = rollout.call("health_probe", timeout_s)
+    return {"rollout/engines_healthy": float(len(seconds)), "rollout/engine_health_s": max(seconds, default=0.0)}
 
 
 def check_engines(rollout, steps: Steps) -> dict[str, float]:

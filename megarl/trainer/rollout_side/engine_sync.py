@@ -4,6 +4,10 @@ A sync is a transaction (FIELD: half-applied updates): begin on every engine, st
 and only then is the version the engines' own. If the sending side fails, every engine is told to stop serving the
 mix it may hold (and refuses to generate until a complete sync), and the error goes up; a verified mismatch stops
 the run naming the tensor.
+
+An engine the fleet started again alone (engine_fleet.py) gets `sync_engine(rank)`: a full sync of that engine
+only, at the version the others hold (in the synchronous loop the actor's weights are still those of that
+version); until it lands the engine refuses to generate.
 """
 
 from __future__ import annotations
@@ -65,6 +69,33 @@ class WeightSync:
         """The behavioural check (sync_probe.py), set by the run when it has training prompts."""
         self._probe_due: int | None = None
         """The version of the last verified sync, until the probe has run after it."""
+        self._relaunches = 0
+        """Engines started again so far (engine_fleet.py): each gives the route new workers (and NCCL group name)."""
+        if getattr(roles.rollout, "recovers", False):  # an EngineFleet: its restarted engines are synced here
+            roles.rollout.resync = self
+
+    @property
+    def version(self) -> int:
+        """The weight version the engines serve (that of the last sync)."""
+        return self.state.weight_version
+
+    @property
+    def step(self) -> int:
+        """The step running now, numbered as metrics.jsonl and the progress line do (from 1): an engine failure's
+        record."""
+        return self.state.global_step + 1
+
+    def sync_engine(self, rank: int) -> None:
+        """A full sync of engine `rank` alone, at the version the engines serve: an engine started again."""
+        self._relaunches += 1
+        self.route = None  # the engine has a new worker: every sending rank gets the new route
+        route = self._ensure_route()
+        route = dataclasses.replace(route, engines=(route.engines[rank],), delta="full" if self.delta else "off")
+        folder = self._fresh_folder(self.version) if self.transport == "disk" else None
+        if folder is not None:
+            route = dataclasses.replace(route, disk_dir=str(folder))
+        self._transaction(route, self.version, folder, False, ranks=[rank])
+        log.info("weight sync: engine %d started again, given version %d in full", rank, self.version)
 
     def start(self) -> None:
         """A hybrid engine's next sync (a new version), submitted now: Ray runs an actor's calls in order, so the
@@ -141,22 +172,28 @@ class WeightSync:
             self.route = self._route()
         return self.route
 
-    def _transaction(self, route, version: int, folder: Path | None, keep_samples: bool) -> tuple[list[dict], list]:
-        """Begin on every engine, stream from every sending rank, finish: (what each rank sent, what each engine
-        received). A failure on the sending side makes every engine abandon the update."""
+    def _transaction(
+        self, route, version: int, folder: Path | None, keep_samples: bool, ranks: list[int] | None = None
+    ) -> tuple[list[dict], list]:
+        """Begin on every engine (or on `ranks`), stream from every sending rank, finish: (what each rank sent,
+        what each engine received). A failure on the sending side makes the engines abandon the update."""
         rollout, actor = self.roles.rollout, self.roles.actor
-        rollout.call("begin_weight_update", version)
+
+        def engines(method: str, *args):
+            return rollout.call(method, *args) if ranks is None else rollout.call_ranks(ranks, method, *args)
+
+        engines("begin_weight_update", version, route.delta != "delta")
         try:
             sent = actor.call("sync_weights", route, version, self.rollout.bucket_bytes, keep_samples, collect="all")
             if folder is not None:
-                rollout.call("load_weights_from_disk", str(folder))
+                engines("load_weights_from_disk", str(folder))
         except BaseException as err:
-            rollout.call("abandon_weight_update", str(err).splitlines()[0][:300])
+            engines("abandon_weight_update", str(err).splitlines()[0][:300])
             raise
         finally:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
-        return sent, rollout.call("finish_weight_update", version)
+        return sent, engines("finish_weight_update", version)
 
     def _fresh_folder(self, version: int) -> Path:
         if self.disk_root is None:
@@ -177,9 +214,11 @@ class WeightSync:
         )
         fmt = "fp8" if self.quantization else "as trained"
         log.info("weight sync: %s into %d engine(s), weights %s", self.transport, len(engines), fmt)
+        name = {"group_name": f"megarl_weights_{self._relaunches}"} if self._relaunches else {}
         return SyncRoute(
             self.transport,
             engines,
+            **name,
             timeout_s=self.rollout.sglang.control_timeout_s,
             gpus_per_engine=self.rollout.gpus_per_engine,
             quantization=self.quantization,

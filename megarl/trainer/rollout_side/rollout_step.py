@@ -64,10 +64,17 @@ def generate_batch(
         for i, s in enumerate(samples)
     ]
     completions = generate_on_engines(rollout_group, requests, sampling)
-    return collate_rollout(samples, completions, tokenizer, routing)
+    result = collate_rollout(samples, completions, tokenizer, routing)
+    if getattr(rollout_group, "recovers", False):  # an EngineFleet that restarts failed engines
+        result.metrics.update(rollout_group.take_metrics())
+    return result
 
 
 def generate_on_engines(group, requests: list[GenerateRequest], sampling: SamplingParams) -> list[list[Completion]]:
+    """Completions of `requests` (request order) from the engines of `group`; a fleet that restarts its failed
+    engines (engine_fleet.py) sends a failed engine's requests to the others."""
+    if getattr(group, "recovers", False):
+        return group.generate(requests, sampling)
     num_engines = group.world_size
     bounds = [len(requests) * i // num_engines for i in range(num_engines + 1)]
     shares = [requests[bounds[i] : bounds[i + 1]] for i in range(num_engines)]
@@ -109,11 +116,15 @@ def collate_rollout(
 
 
 def rollout_metrics(batch: Batch) -> dict[str, float]:
-    """Response lengths and finish reasons of a rollout batch."""
+    """Response lengths, finish reasons, the number of samples and the weight versions that generated them."""
     lengths = batch["response_mask"].sum(dim=1).float()
     reasons = batch.meta["finish_reason"]
+    versions = batch.meta["weight_version"]
     return {
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
         "response_length/clip_frac": sum(r == "length" for r in reasons) / max(len(reasons), 1),
+        "rollout/samples": float(len(reasons)),
+        "rollout/weight_version_min": float(min(versions)),
+        "rollout/weight_version_max": float(max(versions)),
     }
