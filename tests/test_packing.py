@@ -99,6 +99,7 @@ def test_sdpa_attention_on_a_packed_row_equals_each_sample_alone():
     attention = SDPACoreAttention.__new__(SDPACoreAttention)
     torch.nn.Module.__init__(attention)
     attention.attn_mask_type, attention.softmax_scale, attention.dropout = AttnMaskType.causal, None, 0.0
+    attention.window, attention.softmax_offset = None, None  # no sliding window, no sinks
     g = torch.Generator().manual_seed(0)
     lengths, heads, kv_heads, dim = [4, 1, 6], 4, 2, 8
     q, k, v = (torch.randn(sum(lengths), h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
@@ -124,6 +125,7 @@ def test_sdpa_attention_over_shared_prompts_equals_each_sample_alone():
     attention = SDPACoreAttention.__new__(SDPACoreAttention)
     torch.nn.Module.__init__(attention)
     attention.attn_mask_type, attention.softmax_scale, attention.dropout = AttnMaskType.causal, None, 0.0
+    attention.window, attention.softmax_offset = None, None  # no sliding window, no sinks
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = 4, 2, 8
     full_lengths, shared = [6, 5, 7, 3], [0, 3, 3, 0]
