@@ -37,6 +37,7 @@ from megarl.algorithms.registry import (
     KL_ESTIMATORS,
     OFF_POLICY_CORRECTIONS,
     POLICY_LOSSES,
+    Builtin,
     Registry,
 )
 from megarl.errors import UserError
@@ -123,6 +124,27 @@ def test_registry_contents_and_registration():
 def test_config_module_imports_no_torch():
     code = "import sys, megarl.algorithms.config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_listed_variant_is_implemented_where_the_list_says():
+    """The torch-free list of built-in names and traits (megarl/algorithms/registry.py) and the modules that
+    implement them agree: each built-in name is registered by its module, and a built-in cannot be registered with
+    traits of its own or from another module."""
+    registries = (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS, OFF_POLICY_CORRECTIONS)
+    for registry in registries:
+        for name in registry.names():
+            fn = registry.get(name)
+            assert fn.__module__ == registry._builtins[name].module, (registry.kind, name)
+    widgets = Registry("widget", {"a": Builtin("megarl.widgets", {"color": "red"})})
+    assert widgets.names() == ["a"] and widgets.traits("a") == {"color": "red"}  # known before it is imported
+    with pytest.raises(ValueError, match="widget 'a' is built in \\(megarl.widgets, traits listed in"):
+        widgets.register("a")(lambda: 1)  # implemented elsewhere than its listed module
+    assert ADVANTAGE_ESTIMATORS.traits("dr_grpo") == {
+        "needs_values": False,
+        "needs_groups": True,
+        "options": frozenset(),
+        "aggregation": "seq-mean-token-sum-norm",
+    }
 
 
 def test_default_configs_pass_and_work_with_omegaconf():

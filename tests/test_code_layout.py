@@ -7,6 +7,8 @@ as a feature)."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -184,3 +186,18 @@ def test_only_megarl_is_installed():
     """No generic top-level package (`converters`) lands in site-packages next to megarl."""
     pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
     assert pyproject["tool"]["setuptools"]["packages"]["find"]["include"] == ["megarl*"]
+
+
+def test_the_driver_loads_a_job_without_torch_and_trains_without_megatron():
+    """`megarl train` checks the config before anything heavy (torch would hold Ray's start back by 2 s), and the
+    driver never imports Megatron-Core (3-4 s of a 2-core machine's start-up): only the workers build models."""
+    code = (
+        "import sys; from megarl.config import load_config; from megarl.job import JobConfig; "
+        "load_config(JobConfig, 'configs/quickstart.yaml'); print(sorted({'torch', 'ray'} & set(sys.modules))); "
+        "import megarl.cli, megarl.trainer.lifecycle.run, megarl.trainer.lifecycle.preflight as p; "
+        "p.preflight(load_config(JobConfig, 'configs/quickstart.yaml', ['model.path=/nonexistent']), "
+        "check_memory=True, off_machine=True); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'sglang')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == ["[]", "[]"], out.stderr[-2000:]

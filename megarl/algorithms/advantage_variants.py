@@ -50,9 +50,7 @@ def _reward_to_go(inputs: AdvantageInputs) -> torch.Tensor:
     return discounted_advantages(rewards_BS, torch.zeros_like(rewards_BS), mask_BS, 1.0, 1.0)
 
 
-@ADVANTAGE_ESTIMATORS.register(
-    "grpo_passk", needs_values=False, needs_groups=True, options=frozenset({"norm_by_std", "eps"})
-)
+@ADVANTAGE_ESTIMATORS.register("grpo_passk")
 def grpo_passk(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass@k training (Tang et al. 2025, "Optimizing Language Models for Inference Time Objectives using
     Reinforcement Learning", arXiv:2503.19595): only the best sample of each group learns, with advantage
@@ -82,7 +80,7 @@ def grpo_passk(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.
     return _broadcast(gain_B, inputs)
 
 
-@ADVANTAGE_ESTIMATORS.register("opo", needs_values=False, needs_groups=True, options=frozenset())
+@ADVANTAGE_ESTIMATORS.register("opo")
 def opo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv:2505.23585): the baseline is the
     length-weighted mean of the group's scores, b_g = sum_j L_j s_j / sum_j L_j (L_j: sample j's response tokens),
@@ -97,9 +95,7 @@ def opo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor,
     return _broadcast(scores_B - baseline_G[index_B], inputs)
 
 
-@ADVANTAGE_ESTIMATORS.register(
-    "remax", needs_values=False, needs_groups=False, options=frozenset(), needs_reward_baselines=True
-)
+@ADVANTAGE_ESTIMATORS.register("remax")
 def remax(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2024, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for Aligning
     Large Language Models", arXiv:2310.10505): the baseline is the score of the greedy response to the same prompt,
@@ -111,7 +107,7 @@ def remax(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tenso
     return (returns_BS - baselines_B.to(mask_BS.dtype)[:, None]) * mask_BS, returns_BS
 
 
-@ADVANTAGE_ESTIMATORS.register("gpg", needs_values=False, needs_groups=True, options=frozenset())
+@ADVANTAGE_ESTIMATORS.register("gpg")
 def gpg(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning",
     arXiv:2504.02546): A_i = alpha * (s_i - mean_g), no std normalization, with the batch correction
@@ -135,9 +131,7 @@ def _compact(values_BS: torch.Tensor, mask_BS: torch.Tensor) -> tuple[torch.Tens
     return values_BK, position_BS
 
 
-@ADVANTAGE_ESTIMATORS.register(
-    "optimal_token_baseline", needs_values=False, needs_groups=True, options=frozenset(), needs_sum_pi_squared=True
-)
+@ADVANTAGE_ESTIMATORS.register("optimal_token_baseline")
 def optimal_token_baseline(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Optimal token baseline (verl's OTB; the minimum-variance baseline of the policy gradient, as in Weaver & Tao
     2001, "The Optimal Reward Baseline for Gradient-Based Reinforcement Learning", per token): one baseline per

@@ -122,10 +122,8 @@ def discounted_advantages(
 
 # ---- estimators ------------------------------------------------------------------------------------------------
 
-_GAE_OPTIONS = frozenset({"gamma", "lam", "gae_whiten", "eps"})
 
-
-@ADVANTAGE_ESTIMATORS.register("gae", needs_values=True, needs_groups=False, options=_GAE_OPTIONS)
+@ADVANTAGE_ESTIMATORS.register("gae")
 def gae(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's generalized advantage estimation with a critic (Schulman et al. 2016).
 
@@ -149,7 +147,7 @@ def _broadcast(per_sample_B: torch.Tensor, inputs: AdvantageInputs) -> tuple[tor
     return advantages_BS, advantages_BS.clone()
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo", needs_values=False, needs_groups=True, options=frozenset({"norm_by_std", "eps"}))
+@ADVANTAGE_ESTIMATORS.register("grpo")
 def grpo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage (DeepSeekMath): A_i = (s_i - mean_g) / (std_g + eps) on every response token, s_i the
     sum of sample i's token rewards, mean/std over its prompt group g. std is the unbiased (n - 1) one, as in verl,
@@ -163,9 +161,7 @@ def grpo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor
     return _broadcast(centered_B, inputs)
 
 
-@ADVANTAGE_ESTIMATORS.register(
-    "dr_grpo", needs_values=False, needs_groups=True, options=frozenset(), aggregation="seq-mean-token-sum-norm"
-)
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
 def dr_grpo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): A_i = s_i - mean_g, no std normalization.
     Its other half, no length normalization, is the aggregation mode seq-mean-token-sum-norm. Returns = advantages."""
@@ -174,7 +170,7 @@ def dr_grpo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Ten
     return _broadcast(scores_B - mean_B, inputs)
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo", needs_values=False, needs_groups=True, options=frozenset())
+@ADVANTAGE_ESTIMATORS.register("rloo")
 def rloo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE leave-one-out (Ahmadian et al. 2024): A_i = s_i - mean of the other samples' scores in its group
     = n / (n - 1) * (s_i - mean_g); a group of one gets 0. No std normalization. Returns = advantages."""
@@ -186,12 +182,8 @@ def rloo(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor
     return _broadcast((scores_B - mean_B) * sizes_B / (sizes_B - 1).clamp(min=1), inputs)
 
 
-@ADVANTAGE_ESTIMATORS.register(
-    "reinforce_plus_plus", needs_values=False, needs_groups=False, options=frozenset({"gamma", "eps"})
-)
-@ADVANTAGE_ESTIMATORS.register(
-    "reinforce_pp", needs_values=False, needs_groups=False, options=frozenset({"gamma", "eps"})
-)
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
 def reinforce_pp(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262; also registered under verl's name reinforce_plus_plus): discounted
     returns G_t = r_t + gamma * G_{t+1} over response tokens, advantages =
@@ -202,12 +194,8 @@ def reinforce_pp(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torc
     return masked_whiten(returns_BS, mask_BS, config.eps), returns_BS
 
 
-@ADVANTAGE_ESTIMATORS.register(
-    "reinforce_plus_plus_baseline", needs_values=False, needs_groups=True, options=frozenset({"eps"})
-)
-@ADVANTAGE_ESTIMATORS.register(
-    "reinforce_pp_baseline", needs_values=False, needs_groups=True, options=frozenset({"eps"})
-)
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline")
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
 def reinforce_pp_baseline(inputs: AdvantageInputs, config: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline (Hu 2025, arXiv:2501.03262; also registered under verl's name
     reinforce_plus_plus_baseline): c_i = s_i - mean_g (group mean baseline) on every response token, then whitened over

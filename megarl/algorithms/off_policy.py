@@ -62,7 +62,7 @@ def _log(x: float) -> float:
     return math.log(x) if x > 0 else -math.inf
 
 
-@OFF_POLICY_CORRECTIONS.register("none", needs_rollout_logprobs=False, options=frozenset())
+@OFF_POLICY_CORRECTIONS.register("none")
 def no_correction(
     old_logprobs_BS: torch.Tensor,
     rollout_logprobs_BS: torch.Tensor | None,
@@ -73,7 +73,7 @@ def no_correction(
     return None, {}
 
 
-@OFF_POLICY_CORRECTIONS.register("tis", needs_rollout_logprobs=True, options=frozenset({"level", "clip"}))
+@OFF_POLICY_CORRECTIONS.register("tis")
 def truncated_is(
     old_logprobs_BS: torch.Tensor,
     rollout_logprobs_BS: torch.Tensor,
@@ -92,7 +92,7 @@ def truncated_is(
     return weights_BS, metrics
 
 
-@OFF_POLICY_CORRECTIONS.register("mis", needs_rollout_logprobs=True, options=frozenset({"level", "low", "high"}))
+@OFF_POLICY_CORRECTIONS.register("mis")
 def masked_is(
     old_logprobs_BS: torch.Tensor,
     rollout_logprobs_BS: torch.Tensor,
@@ -113,7 +113,7 @@ def masked_is(
     return weights_BS, metrics
 
 
-@OFF_POLICY_CORRECTIONS.register("decoupled", needs_rollout_logprobs=True, options=frozenset({"level"}))
+@OFF_POLICY_CORRECTIONS.register("decoupled")
 def decoupled(
     old_logprobs_BS: torch.Tensor,
     rollout_logprobs_BS: torch.Tensor,

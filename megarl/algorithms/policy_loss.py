@@ -58,7 +58,7 @@ def approx_kl(log_ratio_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor
     return masked(torch.exp(log_ratio_BS) - 1 - log_ratio_BS, mask_BS)
 
 
-@POLICY_LOSSES.register("ppo_clip", options=frozenset({"clip_low", "clip_high", "dual_clip"}))
+@POLICY_LOSSES.register("ppo_clip")
 def ppo_clip(
     logprobs_BS: torch.Tensor,
     old_logprobs_BS: torch.Tensor,
@@ -79,7 +79,7 @@ def ppo_clip(
     return loss_BS, metrics
 
 
-@POLICY_LOSSES.register("gspo", options=frozenset({"clip_low", "clip_high"}))
+@POLICY_LOSSES.register("gspo")
 def gspo(
     logprobs_BS: torch.Tensor,
     old_logprobs_BS: torch.Tensor,

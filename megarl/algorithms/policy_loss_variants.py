@@ -30,7 +30,7 @@ def _ratio_metrics(log_ratio_BS: torch.Tensor, mask_BS: torch.Tensor) -> Metrics
     return {"ratio": masked(torch.exp(log_ratio_BS.detach()), mask_BS), "approx_kl": approx_kl(log_ratio_BS, mask_BS)}
 
 
-@POLICY_LOSSES.register("sapo", options=frozenset({"tau_pos", "tau_neg"}))
+@POLICY_LOSSES.register("sapo")
 def sapo(
     logprobs_BS: torch.Tensor,
     old_logprobs_BS: torch.Tensor,
@@ -51,7 +51,7 @@ def sapo(
     return masked(-gate_BS * advantages_BS, mask_BS), _ratio_metrics(log_ratio_BS, mask_BS)
 
 
-@POLICY_LOSSES.register("gpg", options=frozenset())
+@POLICY_LOSSES.register("gpg")
 def gpg(
     logprobs_BS: torch.Tensor,
     old_logprobs_BS: torch.Tensor,
@@ -77,9 +77,7 @@ def _centered_covariance(advantages_BS: torch.Tensor, logprobs_BS: torch.Tensor,
     return masked((advantages_BS - mean_advantage) * (logprobs_BS - mean_logprob), mask_BS)
 
 
-@POLICY_LOSSES.register(
-    "clip_cov", options=frozenset({"clip_low", "clip_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"})
-)
+@POLICY_LOSSES.register("clip_cov")
 def clip_cov(
     logprobs_BS: torch.Tensor,
     old_logprobs_BS: torch.Tensor,
@@ -112,7 +110,7 @@ def clip_cov(
     return torch.where(detached_BS, 0.0, loss_BS), metrics
 
 
-@POLICY_LOSSES.register("kl_cov", options=frozenset({"kl_cov_ratio", "ppo_kl_coef"}))
+@POLICY_LOSSES.register("kl_cov")
 def kl_cov(
     logprobs_BS: torch.Tensor,
     old_logprobs_BS: torch.Tensor,
@@ -138,7 +136,7 @@ def kl_cov(
     return masked(loss_BS, mask_BS), metrics
 
 
-@POLICY_LOSSES.register("geo_mean", options=frozenset({"clip_low", "clip_high"}))
+@POLICY_LOSSES.register("geo_mean")
 def geo_mean(
     logprobs_BS: torch.Tensor,
     old_logprobs_BS: torch.Tensor,
@@ -169,7 +167,7 @@ def geo_mean(
     return masked(loss_BS, mask_BS), metrics
 
 
-@POLICY_LOSSES.register("cispo", options=frozenset({"clip_low", "clip_high"}))
+@POLICY_LOSSES.register("cispo")
 def cispo(
     logprobs_BS: torch.Tensor,
     old_logprobs_BS: torch.Tensor,
@@ -211,7 +209,7 @@ def _dppo(
     return masked(torch.where(trusted_BS, loss_BS, 0.0), mask_BS), metrics
 
 
-@POLICY_LOSSES.register("dppo_tv", options=frozenset({"clip_low", "clip_high", "clip_ratio_c"}))
+@POLICY_LOSSES.register("dppo_tv")
 def dppo_tv(
     logprobs_BS: torch.Tensor,
     old_logprobs_BS: torch.Tensor,
@@ -231,7 +229,7 @@ def dppo_tv(
     return _dppo(logprobs_BS, old_logprobs_BS, advantages_BS, mask_BS, config, trusted_BS)
 
 
-@POLICY_LOSSES.register("dppo_kl", options=frozenset({"clip_low", "clip_high", "clip_ratio_c"}))
+@POLICY_LOSSES.register("dppo_kl")
 def dppo_kl(
     logprobs_BS: torch.Tensor,
     old_logprobs_BS: torch.Tensor,
@@ -259,7 +257,7 @@ def dppo_kl(
     return _dppo(logprobs_BS, old_logprobs_BS, advantages_BS, mask_BS, config, trusted_BS)
 
 
-@POLICY_LOSSES.register("dro", options=frozenset({"dro_beta"}))
+@POLICY_LOSSES.register("dro")
 def dro(
     logprobs_BS: torch.Tensor,
     old_logprobs_BS: torch.Tensor,

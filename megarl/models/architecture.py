@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core.activations import quick_gelu
 
 from megarl.bridge.mappings import Direct, Mapping, VocabRows
 from megarl.errors import UserError
@@ -193,6 +192,8 @@ class Architecture:
             kwargs["window_size"] = (hf_config.sliding_window - 1, 0)
             kwargs["window_attn_skip_freq"] = [int(t == "sliding_attention") for t in hf_config.layer_types]
         if self.clamped_swiglu:
+            from megatron.core.activations import quick_gelu  # not at the top: the driver never imports Megatron
+
             kwargs.update(
                 activation_func=quick_gelu,
                 glu_linear_offset=1.0,
