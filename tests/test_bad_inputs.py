@@ -246,6 +246,13 @@ CASES = [
         model="tiny-qwen3-moe",
     ),
     Case(
+        "kimi k2 on sglang without its remote code",
+        TRAIN,
+        ["rollout.sglang.trust_remote_code=false", "model_type='kimi_k2'", "set rollout.sglang.trust_remote_code=true"],
+        config="rollout: {backend: sglang}\nactor: {model: {parallel: {tp: 1}}}\n",
+        model="tiny-kimi-k2",
+    ),
+    Case(
         "dry run of a bad config",
         [*TRAIN, "--dry-run"],
         ["rollout.weight_sync=nccl broadcasts into SGLang servers"],

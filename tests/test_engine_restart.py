@@ -9,10 +9,14 @@ started again does not meet it again), MEGARL_FAULTS_RANK picks the engine.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
-from job_helpers import megarl_train, metrics, write_config
+from job_helpers import REPO, megarl_train, metrics, write_config
 
 from megarl.errors import UserError
+
+sys.path.insert(0, str(REPO / "tools" / "faults"))  # the fleet's fault campaign: its checks
 
 STEPS = 4
 PROMPTS, N = 8, 4
@@ -42,12 +46,29 @@ def survived(tmp_path_factory):
     }
     deadline = f"run.phase_timeouts={{rollout: {HUNG_S}}}"
     out = megarl_train(config, f"run.dir={work / 'run'}", *FLEET, deadline, env=faults)
-    return out, metrics(work / "run")
+    return out, metrics(work / "run"), work / "run"
+
+
+@pytest.mark.slow
+def test_the_run_gives_the_numbers_of_a_run_without_failures(survived, tmp_path):
+    """The fleet fault campaign's checks (tools/faults/engine_faults.py, run here on this file's faulted run): every
+    step once, whole batches of one weight version, and every metric but the recovery counters equal to those of the
+    same job run without faults. The failed engines' prompts, generated again by the other engine with their own
+    seeds, gave the same samples."""
+    from engine_faults import ALONE, Point, check_run, without_recovery
+    from kill_resume import read_steps
+
+    out, _, run_dir = survived
+    config = write_config(tmp_path, "[grpo]", STEPS, tp=1)
+    megarl_train(config, f"run.dir={tmp_path / 'run'}", *FLEET, f"run.phase_timeouts={{rollout: {HUNG_S}}}")
+    reference = {step: without_recovery(m) for step, m in read_steps(tmp_path / "run").items()}
+    point = Point("generate: SIGKILL, then a hang", "", ALONE)
+    assert check_run(run_dir, reference, out.stdout + out.stderr, point) == []
 
 
 @pytest.mark.slow
 def test_the_run_finishes_with_every_engine_restarted_alone(survived):
-    out, steps = survived
+    out, steps, _ = survived
     assert len(steps) == STEPS
     assert [s["rollout/engine_restarts"] for s in steps] == [0.0, 1.0, 2.0, 2.0]
     assert "restarting every role" not in out.stderr  # no whole-run restart
@@ -58,7 +79,7 @@ def test_the_run_finishes_with_every_engine_restarted_alone(survived):
 
 @pytest.mark.slow
 def test_the_failed_engines_prompts_were_generated_by_the_others(survived):
-    _, steps = survived
+    _, steps, _ = survived
     # the failed engine held half of the step's 8 prompts
     assert [s["rollout/requeued_prompts"] for s in steps] == [0.0, PROMPTS / 2, PROMPTS / 2, 0.0]
     assert [s["rollout/engines_healthy"] for s in steps] == [2.0] * STEPS
@@ -66,7 +87,7 @@ def test_the_failed_engines_prompts_were_generated_by_the_others(survived):
 
 @pytest.mark.slow
 def test_every_batch_is_whole_and_from_the_current_weights(survived):
-    _, steps = survived
+    _, steps, _ = survived
     assert [s["rollout/samples"] for s in steps] == [PROMPTS * N] * STEPS
     # step s generates with version s + 1 (the first sync is version 1); its own sync then makes version s + 2
     assert [s["rollout/weight_version_min"] for s in steps] == [float(s + 1) for s in range(STEPS)]

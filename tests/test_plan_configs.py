@@ -27,6 +27,8 @@ def data_dir(tmp_path, monkeypatch):
 def test_the_gpu_configs_are_shipped():
     assert {p.name for p in CONFIGS} >= {
         "grpo_deepseek_v3_671b.yaml",
+        "grpo_glm4.5_air.yaml",
+        "grpo_gpt_oss_120b.yaml",
         "grpo_qwen2.5_7b_gsm8k.yaml",
         "grpo_qwen3_30b_a3b_64k.yaml",
         "ppo_llama3_8b.yaml",
@@ -90,6 +92,23 @@ def test_plan_json_of_the_671b_config(capsys):
     figures = {row["name"]: row for row in plan["bandwidths"]}
     assert figures["infiniband"]["value"] == 50.0 and figures["nvlink"]["value"] == 450.0
     assert figures["host_copy_cpu"]["kind"] == "measured-cpu" and figures["gpu_ipc_measured"]["value"] is None
+
+
+def test_gpt_oss_stacked_experts_travel_whole_from_one_rank_per_stage(data_dir):
+    """gpt-oss stores a layer's experts as stacked tensors, sent whole by the first expert rank of each stage after it
+    gathers the other ranks' rows (megarl/bridge/exporter.py): 2 senders (one per stage), and the busiest sends its
+    stage's 18 layers in full. GLM-4.5-Air's experts are separate tensors: each expert rank sends its own."""
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    oss = run_plan(load_for_planning(configs / "grpo_gpt_oss_120b.yaml")[0], "gpt-oss")
+    glm = run_plan(load_for_planning(configs / "grpo_glm4.5_air.yaml")[0], "glm")
+    assert oss.fits and glm.fits
+    assert (oss.sync.num_senders, glm.sync.num_senders) == (2, 16)
+    # By hand, gpt-oss-120b per layer: experts 128 x (2880 x 5760 + 5760 + 5760 x 2880 / 2 + 2880) = 3,186,155,520;
+    # attention q/k/v/o with biases 11,800,576 + 2 x 1,475,072 + 11,799,360, sinks 64, two norms 5,760, router with
+    # bias 368,768 = 26,924,672. A stage: 18 layers + half of embedding, output layer and final norm (579,134,880).
+    stage = 18 * (3_186_155_520 + 26_924_672) + 579_134_880
+    assert oss.sync.max_sender_bytes == 2 * stage and oss.sync.total_bytes == 2 * 2 * stage  # bf16, two stages
+    assert any("one whole 3.96 GB tensor on the first expert-parallel rank" in note for note in oss.notes)
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from job_helpers import megarl_train, write_config
+from job_helpers import megarl_train, metrics, write_config
 
 from megarl.runtime import faults
+from megarl.trainer.observability.metrics import read_metrics
 from megarl.trainer.rollout_side.sync_probe import PROBE_TOLERANCE, default_tolerance
 
 
@@ -65,8 +66,20 @@ def test_the_tampering_faults_spoil_what_checksums_do_not_sample(monkeypatch):
     ids=["dense: two layers' MLPs swapped", "moe: one expert in the wrong layout"],
 )
 def test_a_sync_with_wrong_weights_stops_the_run_naming_the_engine(tmp_path, fault, model, ep):
+    """Weights wrong at every sync (a mapping bug): the probe fails, the version is synced again in full and probed
+    again, fails again, and the run stops before training on a sample. The dense case's second sync is clean (a
+    bucket spoiled in flight once): the probe passes the second time and the run trains."""
+    once = model == "tiny-qwen3"
     config = write_config(tmp_path, "[grpo]", 1, model=model, ep=ep)
-    out = megarl_train(config, env={"MEGARL_FAULTS": f"{fault}:sync.bucket"}, check=False)
+    spoiled = f"{fault}:sync.bucket:1" if once else f"{fault}:sync.bucket:1,{fault}:sync.bucket:2"
+    out = megarl_train(config, env={"MEGARL_FAULTS": spoiled}, check=False)
+    caught = "weight sync to version 1: engine 0 scores its own greedy tokens differently from the actor"
+    assert caught in out.stderr and "weight sync: giving every engine version 1 again in full" in out.stderr
+    if once:
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert [m["sync/retries"] for m in read_metrics(tmp_path / "run") if "sync/retries" in m] == [1.0]
+        assert [m["step"] for m in metrics(tmp_path / "run")] == [1]
+        return
     assert out.returncode == 1, out.stderr[-3000:]
-    assert "weight sync to version 1: engine 0 scores its own greedy tokens differently from the actor" in out.stderr
+    assert out.stderr.count(caught) == 2
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())

@@ -84,7 +84,8 @@ class ModelShape:
     """MLA sizes (q_lora_rank (0 = none), kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim), None for GQA."""
     ffn_hidden_size: int
     moe: dict[str, int] | None
-    """num_experts, topk, expert_ffn, shared_ffn (0 = none), expert_bias (0/1); None for dense models."""
+    """num_experts, topk, expert_ffn, shared_ffn (0 = none), expert_bias (0/1), stacked (0/1: the HF checkpoint stores
+    a layer's experts as tensors stacked over experts, gpt-oss); None for dense models."""
     sparse_layers: tuple[bool, ...]
     qk_norm: bool
     hf_extra_numel: int = 0
@@ -169,6 +170,7 @@ def model_shape(hf_config, spec_backend: str = "te") -> ModelShape:
             shared_ffn=shared * expert_ffn,
             # sigmoid routing keeps a per-expert selection bias: a Megatron buffer, a HF tensor
             expert_bias=int(arch.moe.score == "sigmoid"),
+            stacked=int(arch.moe.stacked_experts),
         )
     layers = []
     for is_sparse in sparse:
@@ -185,6 +187,13 @@ def model_shape(hf_config, spec_backend: str = "te") -> ModelShape:
         vocab = int(hf_config.vocab_size)
         extra = mtp * (sum(p.total() for p in layers[-1]) + 2 * vocab * h + 2 * h * h + 3 * h)
         notes = (f"{mtp} multi-token-prediction layer(s) ({extra / 1e9:.1f} B parameters) are carried, not trained",)
+    if moe and moe["stacked"]:
+        # gate_up_proj [experts, hidden, 2 x ffn]: built whole on the first expert rank at every weight sync
+        stacked_gb = moe["num_experts"] * h * 2 * moe["expert_ffn"] * dtype_bytes(_dtype_name(hf_config)) / 2**30
+        notes += (
+            f"experts are stored stacked: each weight sync builds one whole {stacked_gb:.2f} GB tensor on the first "
+            "expert-parallel rank of each stage (beyond the memory above)",
+        )
     return ModelShape(
         architecture=arch.name,
         hidden_size=h,

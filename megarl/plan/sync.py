@@ -3,7 +3,10 @@
 What is sent: the actor's HF tensors (megarl/bridge export stream), B bytes in the checkpoint's dtype, MTP layers
 excluded. Senders: per pipeline stage, one rank of the TP group sends the stage's dense tensors (after gathering
 their TP shards) and each expert-parallel rank sends its own experts; data-parallel replicas send nothing. The
-busiest sender's share is max over stages of dense_stage + experts_stage / ep.
+busiest sender's share is max over stages of dense_stage + experts_stage / ep. Experts stored stacked (gpt-oss: one
+tensor per projection holds all of a layer's experts) travel whole from the first expert-parallel rank, which
+gathers the others' rows first: that rank sends dense_stage + experts_stage, and the gather moves (ep - 1) / ep of
+the stage's experts to it.
 
 Time, as sums and maxima of bytes / bandwidth (PlanConfig: intra-node per GPU, inter-node per GPU):
 - gather: the TP (and expert-TP) all-gather before sending, (tp - 1) / tp of the stage's dense bytes;
@@ -105,14 +108,20 @@ def estimate_sync(
     shares, gathers = [], []
     intra, inter = intra_gbps * 1e9, inter_gbps * 1e9
     gpn = placement.gpus_per_node
+    stacked = bool(shape.moe and shape.moe.get("stacked"))
+    expert_senders = 1 if stacked else layout.ep  # a stacked tensor is sent whole, by one rank
     for stage in range(layout.pp):
         dense, expert = hf_numel(shape, layers=layout.stages.stage_layers(shape.num_layers, stage))
         dense += extra if layout.pp == 1 else (extra / 2 if stage in (0, layout.pp - 1) else 0)
-        shares.append(dense * nbytes + expert / layout.ep * expert_bytes)
+        shares.append(dense * nbytes + expert / expert_senders * expert_bytes)
         tp_bw = intra if layout.tp <= gpn else inter
         etp_bw = intra if layout.etp <= gpn else inter
         gather = dense * nbytes * (layout.tp - 1) / layout.tp / tp_bw
         gather += expert / layout.ep * nbytes * (layout.etp - 1) / layout.etp / etp_bw
+        if stacked:  # the other expert ranks' rows to the first one
+            gather += (
+                expert * nbytes * (layout.ep - 1) / layout.ep / (intra if layout.ep * layout.etp <= gpn else inter)
+            )
         gathers.append(gather)
     max_share = max(shares)
     if transport == "object_store":
@@ -146,7 +155,7 @@ def estimate_sync(
         transfer = max(ingress, total / link, total / intra)  # the senders' turns: every byte through one link
     return SyncEstimate(
         total_bytes=total,
-        num_senders=layout.pp * layout.ep,
+        num_senders=layout.pp * expert_senders,
         max_sender_bytes=max_share,
         num_buckets=int(-(-max_share // bucket_bytes)),
         transport=transport,

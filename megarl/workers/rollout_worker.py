@@ -287,6 +287,7 @@ class RolloutWorker(Worker):
             return self._on_engine_thread(self.engine.verify_weights, expected)
 
     def apply_bucket(self, bucket: Bucket) -> None:
+        faults.hit("rollout.sync_bucket")  # between buckets of a sync (tools/faults/engine_faults.py)
         with self._lock:
             self._checked(self.engine.apply_bucket, bucket)
             self._sync_tensors += len(bucket)

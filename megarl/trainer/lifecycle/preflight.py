@@ -139,6 +139,7 @@ def preflight(config: JobConfig, check_memory: bool = True, off_machine: bool = 
         check_model_files(config.model.path, hf_config)
     if config.rl_stages and config.rollout.backend == "sglang":
         arch.check_sglang_supported(hf_config)
+        check_sglang_remote_code(config, off_machine)
     gpus = config.placement.train_gpus
     for name, role in used_roles(config).items():
         dp = check_role_layout(name, role, arch, hf_config, gpus)
@@ -173,6 +174,31 @@ def preflight(config: JobConfig, check_memory: bool = True, off_machine: bool = 
         raise UserError(
             f"placement.train_gpus={gpus} is not a multiple of rollout.gpus_per_engine="
             f"{config.rollout.gpus_per_engine}: colocated engines share the training GPUs"
+        )
+
+
+def check_sglang_remote_code(config: JobConfig, off_machine: bool = False) -> None:
+    """SGLang reads config.json itself: a model_type that megarl reads as another family's (Kimi K2's `kimi_k2`,
+    hf_config.MODEL_TYPE_ALIASES) is known to SGLang only through the checkpoint's own code, which it runs only with
+    rollout.sglang.trust_remote_code (otherwise each engine fails minutes into its start-up)."""
+    from megarl.checkpoint.hub import is_hub_id, resolve_model_path
+    from megarl.models.hf_config import MODEL_TYPE_ALIASES
+    from megarl.plan.model_size import load_config_json
+    from megarl.plan.planner import find_config_json
+
+    if config.rollout.sglang.trust_remote_code:
+        return
+    path = config.model.path
+    if is_hub_id(path) and config.model.init is None and not (off_machine and config.plan.model_config):
+        path = resolve_model_path(path, "model.path", weights=False)  # cached by load_model_config already
+    init = config.model.init.config if config.model.init is not None else None
+    found = find_config_json(path, config.plan.model_config, "model.path", init_config=init)
+    model_type = load_config_json(found, "model.path").get("model_type")
+    if model_type in MODEL_TYPE_ALIASES:
+        raise UserError(
+            f"rollout.sglang.trust_remote_code=false, but {found} says model_type={model_type!r}, which SGLang "
+            f"knows only through the checkpoint's own code (served as {MODEL_TYPE_ALIASES[model_type]}): set "
+            "rollout.sglang.trust_remote_code=true, as SGLang's own instructions for this model do"
         )
 
 

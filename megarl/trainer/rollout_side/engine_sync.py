@@ -22,6 +22,7 @@ from megarl.errors import RunFailure
 from megarl.rollout.config import RolloutConfig
 from megarl.trainer.lifecycle.roles import Roles
 from megarl.trainer.lifecycle.run_checkpoint import TrainerState
+from megarl.trainer.rollout_side.sync_probe import ProbeMismatch
 
 if TYPE_CHECKING:
     from megarl.cluster.worker_group import PendingCall
@@ -110,7 +111,9 @@ class WeightSync:
         )
         self._started = (version, check, pending)
 
-    def __call__(self, new_version: bool = True) -> dict[str, float]:
+    def __call__(self, new_version: bool = True, verify: bool = False) -> dict[str, float]:
+        """One sync (a transaction, module docstring); `verify`: compare sampled tensors afterwards whatever
+        rollout.verify_sync says."""
         version = self.state.weight_version + int(new_version)
         actor = self.roles.actor
         route, folder = self._ensure_route(), None
@@ -119,7 +122,7 @@ class WeightSync:
             route = dataclasses.replace(route, disk_dir=str(folder))
         if self.delta:
             route = dataclasses.replace(route, delta="full" if self.full_next or not new_version else "delta")
-        check = self._keeps_samples()
+        check = verify or self._keeps_samples()
         started, self._started = self._started, None
         if started is not None:  # submitted ahead by start(): the same version, or it is a bug here
             if started[0] != version:
@@ -156,11 +159,25 @@ class WeightSync:
 
     def run_probe(self, handover: Handover) -> dict[str, float]:
         """The behavioural check after a verified sync, once (sync_probe.py): the engines generate, the actor
-        scores; RunFailure naming the engine when they disagree. {} when none is due."""
+        scores. When an engine disagrees, every engine is fenced and given the version again in full, verified,
+        and probed once more: a bucket spoiled in flight is not spoiled twice, while weights that are wrong every
+        time (a mapping bug) fail again and stop the run naming the engine (RunFailure). {} when none is due."""
         if self.probe is None or self._probe_due is None:
             return {}
         version, self._probe_due = self._probe_due, None
-        return self.probe(self.roles, handover, version)
+        try:
+            return self.probe(self.roles, handover, version)
+        except ProbeMismatch as failure:
+            log.warning(
+                "%s; weight sync: giving every engine version %d again in full, then probing again",
+                failure.summary,
+                version,
+            )
+        if self.transport != "in_process":  # a hybrid engine's sync is one call that replaces its weights whole
+            self.roles.rollout.call("abandon_weight_update", "the sync probe found wrong weights")
+        handover.to_rollout(lambda: self(new_version=False, verify=True))
+        self._probe_due = None
+        return {**self.probe(self.roles, handover, version), "sync/retries": 1.0}
 
     def _keeps_samples(self) -> bool:
         """Whether this sync is verified (the senders keep the sampled norm weights for it)."""
@@ -188,7 +205,10 @@ class WeightSync:
             if folder is not None:
                 engines("load_weights_from_disk", str(folder))
         except BaseException as err:
-            engines("abandon_weight_update", str(err).splitlines()[0][:300])
+            try:
+                engines("abandon_weight_update", str(err).splitlines()[0][:300])
+            except Exception as abandon:  # an engine that died mid-sync cannot abandon: the sync's error says why
+                err.add_note(f"(the engines could not be told to abandon the update: {str(abandon).splitlines()[0]})")
             raise
         finally:
             if folder is not None:

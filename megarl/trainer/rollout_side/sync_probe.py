@@ -48,6 +48,14 @@ class ProbeResult:
     """Tokens each engine generated and the actor scored."""
 
 
+class ProbeMismatch(RunFailure):
+    """An engine's log-probs of its own greedy tokens differ from the actor's; `summary` says by how much."""
+
+    def __init__(self, message: str, summary: str):
+        super().__init__(message)
+        self.summary = summary
+
+
 class SyncProbe:
     def __init__(self, prompt_ids: list[list[int]], max_new_tokens: int, tolerance: float, pad_id: int):
         if not prompt_ids:
@@ -65,13 +73,16 @@ class SyncProbe:
         result = self._score(roles.actor, batches)
         worst = max(range(len(result.gaps)), key=result.gaps.__getitem__)
         if result.gaps[worst] > self.tolerance:
-            raise RunFailure(
+            summary = (
                 f"weight sync to version {version}: engine {worst} scores its own greedy tokens differently from the "
                 f"actor (mean |log-prob gap| {result.gaps[worst]:.4g} over {result.tokens} tokens of "
                 f"{len(self.prompt_ids)} probe prompts, tolerance {self.tolerance:g}; per engine: "
-                f"{', '.join(f'{gap:.3g}' for gap in result.gaps)}). Its weights are not the trainer's (a tensor in "
-                "the wrong layout, a stale or corrupted one): stopping before training on its samples "
-                "(rollout.sync_probe.prompts=0 turns the probe off)."
+                f"{', '.join(f'{gap:.3g}' for gap in result.gaps)})"
+            )
+            raise ProbeMismatch(
+                f"{summary}. Its weights are not the trainer's (a tensor in the wrong layout, a stale or corrupted "
+                "one): stopping before training on its samples (rollout.sync_probe.prompts=0 turns the probe off).",
+                summary,
             )
         gap, engines = max(result.gaps), len(result.gaps)
         log.info("weight sync probe: largest gap %.3g over %d tokens x %d engine(s)", gap, result.tokens, engines)
