@@ -34,11 +34,23 @@ FAST = GroupTimeouts(init_s=120.0, call_s=60.0, failure_grace_s=2.0)
 pytestmark = pytest.mark.slow  # about 30 s: a three-raylet cluster and its workers
 
 
+KEEP_CHILDREN = {
+    "kill_child_processes_on_worker_exit": False,
+    "kill_child_processes_on_worker_exit_with_raylet_subreaper": False,
+}
+"""Ray's settings that stop it from killing what a dead worker started (on by default: Ray kills a worker's
+processes with it; off, or for a process that escapes it, only megarl's reaping stops them)."""
+
+
 @pytest.fixture()
-def cluster():
-    """A head without GPUs and two nodes of 2 logical GPUs each; removed after each test (one test removes a node)."""
+def cluster(request):
+    """A head without GPUs and two nodes of 2 logical GPUs each; removed after each test (one test removes a node).
+    Parametrized indirectly with KEEP_CHILDREN: Ray leaves a dead worker's processes running."""
     assert not ray.is_initialized(), "another test module left Ray running"
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
+    head = {"num_cpus": 1, "num_gpus": 0, "include_dashboard": False}
+    if getattr(request, "param", None):
+        head["_system_config"] = request.param
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     nodes = [cluster.add_node(num_cpus=4, num_gpus=2) for _ in range(2)]
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
@@ -48,7 +60,9 @@ def cluster():
 
 
 def start_engine(tmp_path, hf_checkpoint, port: int, startup_timeout_s: float = 60, **fake_env: str):
-    """One 4-GPU engine over both nodes, as start_roles places it; returns (group, records folder, pool)."""
+    """One 4-GPU engine over both nodes, as start_roles places it; returns (group, records folder, pool, setup):
+    `setup(**extra)` sets the engine up again the same way (`extra`: more of setup's keywords), `setup.first` is
+    what the first setup answered."""
     records = tmp_path / "records"
     records.mkdir()
     pool = ResourcePool("rollout", num_nodes=2, gpus_per_node=2)
@@ -61,8 +75,13 @@ def start_engine(tmp_path, hf_checkpoint, port: int, startup_timeout_s: float = 
     config = RolloutConfig(backend="sglang", gpus_per_engine=4, sglang=sglang)
     config.check("rollout")
     path = str(hf_checkpoint("tiny-llama"))
-    group.call("setup", [path], [config], gpu_ids=[engine[0][1]], nodes=[slots], dispatch="per_rank")
-    return group, records, pool
+
+    def setup(**extra):
+        more = {key: [value] for key, value in extra.items()}  # one engine: rank 0's arguments
+        return group.call("setup", [path], [config], gpu_ids=[engine[0][1]], nodes=[slots], dispatch="per_rank", **more)
+
+    setup.first = setup()[0]
+    return group, records, pool, setup
 
 
 def wait_for(path: Path, timeout_s: float = 30.0) -> dict:
@@ -76,7 +95,7 @@ def wait_for(path: Path, timeout_s: float = 30.0) -> dict:
 def test_an_engine_over_two_nodes_starts_one_process_per_node_and_stops_when_one_exits(
     cluster, tmp_path, hf_checkpoint
 ):
-    group, records, pool = start_engine(tmp_path, hf_checkpoint, port=31200)
+    group, records, pool, _ = start_engine(tmp_path, hf_checkpoint, port=31200)
     try:
         node0, node1 = wait_for(records / "node0.json"), wait_for(records / "node1.json")
         host = ray.util.get_node_ip_address()
@@ -104,7 +123,7 @@ def test_an_engine_over_two_nodes_starts_one_process_per_node_and_stops_when_one
 
 def test_a_node_leaving_the_cluster_is_named(cluster, tmp_path, hf_checkpoint):
     ray_cluster, nodes = cluster
-    group, records, pool = start_engine(tmp_path, hf_checkpoint, port=31400)
+    group, records, pool, _ = start_engine(tmp_path, hf_checkpoint, port=31400)
     try:
         wait_for(records / "node1.json")
         second = next(node for node in nodes if node.node_id == pool.node_ids[2])
@@ -113,6 +132,40 @@ def test_a_node_leaving_the_cluster_is_named(cluster, tmp_path, hf_checkpoint):
         assert not health["ok"] and "node-rank 1 of the engine stopped: its Ray actor is unreachable" in health["error"]
     finally:
         stop(group, records, pool)
+
+
+@pytest.mark.parametrize("cluster", [KEEP_CHILDREN], indirect=True, ids=["ray keeps a dead worker's processes"])
+def test_an_engine_started_again_reaps_what_it_left_on_every_node(cluster, tmp_path, hf_checkpoint):
+    """The fleet starts a failed engine again on the same bundles (engine_fleet.py): SIGKILL of its worker, whose
+    EngineNode actor dies with it. Ray kills what they started by default; where it does not (KEEP_CHILDREN), the
+    SGLang processes of both nodes (sessions of their own) live on, holding the GPUs and the port. The new worker
+    reaps those of its first node, its node actor those of the other node, before their servers start."""
+    group, records, pool, setup = start_engine(tmp_path, hf_checkpoint, port=31800)
+    try:
+        old = [wait_for(records / f"node{rank}.json")["pid"] for rank in (0, 1)]
+        assert setup.first["process_groups"] == [old[0]] and setup.first["node_process_groups"] == [[old[1]]]
+        group.relaunch_rank(0)  # as the fleet does with a failed engine
+        time.sleep(1.0)
+        assert [_alive(pid) for pid in old] == [True, True]  # what a restart must not leave behind
+        for rank in (0, 1):
+            (records / f"node{rank}.json").unlink()
+        (again,) = setup(reap=setup.first["process_groups"], reap_nodes=setup.first["node_process_groups"])
+        new = [wait_for(records / f"node{rank}.json")["pid"] for rank in (0, 1)]
+        assert [_alive(pid) for pid in old] == [False, False] and [_alive(pid) for pid in new] == [True, True]
+        assert again["node_process_groups"] == [[new[1]]]
+        assert group.call("health", collect="rank0")["ok"]
+    finally:
+        stop(group, records, pool)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (an orphan killed here may wait a while for its reaper)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_a_node_failing_at_start_up_is_named_at_once(cluster, tmp_path, hf_checkpoint):

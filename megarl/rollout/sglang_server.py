@@ -346,3 +346,20 @@ class SGLangServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def reap_process_groups(pgids: Sequence[int]) -> None:
+    """SIGKILL what is left of a dead engine's own processes on this node (an SGLang server runs in a process group
+    of its own, which outlives the worker that started it)."""
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            continue
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)

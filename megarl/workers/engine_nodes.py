@@ -13,6 +13,7 @@ before each generate and weight update and after any failed call, raising an err
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,14 +41,20 @@ class EngineNode:
     def __init__(self) -> None:
         self.server = None
 
-    def launch(self, config, command: list[str], gpu_ids: list[str], node_rank: int, nnodes: int) -> None:
+    def launch(
+        self, config, command: list[str], gpu_ids: list[str], node_rank: int, nnodes: int, reap: Sequence[int] = ()
+    ) -> int:
         """Start this node's SGLang process (`config`: the SGLangEngineConfig); not waiting for health: node 0
-        answers for the engine."""
-        from megarl.rollout.sglang_server import SGLangServer, build_server_env
+        answers for the engine. `reap`: the process groups the engine this one replaces left on this node (its
+        EngineNode actor died with the engine's worker; the SGLang process, in a session of its own, did not),
+        killed first. Returns the new process group."""
+        from megarl.rollout.sglang_server import SGLangServer, build_server_env, reap_process_groups
 
+        reap_process_groups(reap)
         env = build_server_env(config, list(gpu_ids), nnodes=nnodes)  # ids as Ray gives them (indices or UUIDs)
         self.server = SGLangServer(command, url=f"node-rank {node_rank}", env=env)
         self.server.start(wait_ready=False)
+        return self.server.process.pid  # its own session: the pid is the process group
 
     def problem(self) -> str | None:
         """None while this node's SGLang process runs; else what happened (exit code, log tail)."""
@@ -63,9 +70,12 @@ class EngineNode:
         return self.server.stop() if self.server is not None else None
 
 
-def start_engine_nodes(slots: list[EngineNodeSlot], config, command_for, env: dict[str, str]) -> list:
+def start_engine_nodes(
+    slots: list[EngineNodeSlot], config, command_for, env: dict[str, str], reap: Sequence[Sequence[int]] = ()
+) -> tuple[list, list[list[int]]]:
     """Start an EngineNode actor in each slot and launch its node's process (`config`: the SGLangEngineConfig,
-    `command_for(node_rank)`: the command). Returns the actor handles (node-rank order)."""
+    `command_for(node_rank)`: the command, `reap`: per slot, process groups left there by the engine this one
+    replaces). Returns the actor handles and each one's process groups (node-rank order)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -81,13 +91,14 @@ def start_engine_nodes(slots: list[EngineNodeSlot], config, command_for, env: di
                 num_gpus=0, num_cpus=0, scheduling_strategy=strategy, runtime_env={"env_vars": env}, max_restarts=0
             ).remote()
         )
-    ray.get(
+    reap = list(reap) + [[]] * (len(slots) - len(reap))
+    pgids = ray.get(
         [
-            node.launch.remote(config, command_for(slot.node_rank), list(slot.gpu_ids), slot.node_rank, nnodes)
-            for node, slot in zip(nodes, slots)
+            node.launch.remote(config, command_for(slot.node_rank), list(slot.gpu_ids), slot.node_rank, nnodes, old)
+            for node, slot, old in zip(nodes, slots, reap)
         ]
     )
-    return nodes
+    return nodes, [[pgid] for pgid in pgids]
 
 
 def check_engine_nodes(nodes: list, slots: list[EngineNodeSlot], engine: str) -> None:

@@ -24,8 +24,6 @@ a delta update is refused while it is fenced (megarl/trainer/rollout_side/engine
 from __future__ import annotations
 
 import inspect
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +34,7 @@ from megarl.cluster.worker import Worker
 from megarl.errors import UserError
 from megarl.rollout.config import RolloutConfig, SamplingParams
 from megarl.rollout.engine import Bucket, Completion, GenerateRequest, RolloutEngine, SyncStats
-from megarl.rollout.sglang_server import NodePlace
+from megarl.rollout.sglang_server import NodePlace, reap_process_groups
 from megarl.runtime import faults
 from megarl.workers.bucket_transport import IpcBucket, PackedTensor, unpack_bucket, unpack_bucket_ipc
 from megarl.workers.engine_nodes import EngineNodeSlot
@@ -90,23 +88,6 @@ class EngineFenced(RuntimeError):
     """The engine holds no complete weights of a known version: it generates again after a full weight sync."""
 
 
-def reap_process_groups(pgids: Sequence[int]) -> None:
-    """SIGKILL what is left of a dead engine's own processes on this node (an SGLang server runs in a process group
-    of its own, which outlives the worker that started it)."""
-    for pgid in pgids:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            continue
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.1)
-
-
 class RolloutWorker(Worker):
     process_group_backend = "gloo"
     """The engines run in their own processes; the group itself only coordinates (and an engine of several GPUs
@@ -122,6 +103,8 @@ class RolloutWorker(Worker):
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine") if engine_thread else None
         self._nodes: list = []
         self._node_slots: list[EngineNodeSlot] = []
+        self._node_process_groups: list[list[int]] = []
+        """Per other node of the engine, its SGLang process group there."""
         self._fence: str | None = None
         """Why the engine refuses to generate (None: it serves)."""
 
@@ -139,13 +122,15 @@ class RolloutWorker(Worker):
         nodes: Sequence[EngineNodeSlot] = (),
         fenced: str | None = None,
         reap: Sequence[int] = (),
+        reap_nodes: Sequence[Sequence[int]] = (),
     ) -> dict[str, Any]:
         """Start the engine on `model_path`; a megarl checkpoint gives its HF config and tokenizer only (the
         weights arrive with the first sync). `gpu_ids`: the engine's GPUs on this node, for an engine of several
         (None: the engine uses what this worker sees). `nodes`: the engine's other nodes (node-rank 1, 2, ...).
         `fenced`: why the engine must not generate before a full weight sync (an engine started again). `reap`:
-        process groups of the engine this one replaces, killed first. Returns the seconds it took and the engine's
-        own process groups (`process_groups`)."""
+        process groups of the engine this one replaces, killed first (`reap_nodes`: those on its other nodes, per
+        node). Returns the seconds it took and the engine's own process groups (`process_groups` on this node,
+        `node_process_groups` on the others)."""
         from transformers.utils import logging as hf_logging
 
         from megarl.checkpoint.model_dir import hf_config_dir
@@ -157,7 +142,7 @@ class RolloutWorker(Worker):
             kwargs = sglang_launch_kwargs(config, gpu_ids, model_path) if config.backend == "sglang" else {}
             kwargs["record_routing"] = config.routed_experts == "auto"  # MoE models only: the engine checks
             if nodes:
-                kwargs["node"] = self._start_other_nodes(model_path, config, kwargs, list(nodes))
+                kwargs["node"] = self._start_other_nodes(model_path, config, kwargs, list(nodes), reap_nodes)
                 kwargs["startup_watch"] = self.check_nodes  # a node that fails to start is named at once
             self.engine = self._on_engine_thread(
                 lambda: build_engine(config.backend, str(hf_config_dir(model_path)), config, gpu_ids, **kwargs)
@@ -165,7 +150,11 @@ class RolloutWorker(Worker):
             self._sync_start = 0.0
             self._sync_tensors = self._sync_bytes = 0
             self._fence = fenced
-        return {"seconds": time.perf_counter() - start, "process_groups": self._process_groups()}
+        return {
+            "seconds": time.perf_counter() - start,
+            "process_groups": self._process_groups(),
+            "node_process_groups": self._node_process_groups,
+        }
 
     def _process_groups(self) -> list[int]:
         """The engine's own server process group on this node (SGLang; none for the in-process hf engine)."""
@@ -179,7 +168,9 @@ class RolloutWorker(Worker):
                 "sync"
             )
 
-    def _start_other_nodes(self, model_path: str, config: RolloutConfig, kwargs: dict, slots: list) -> NodePlace:
+    def _start_other_nodes(
+        self, model_path: str, config: RolloutConfig, kwargs: dict, slots: list, reap: Sequence[Sequence[int]]
+    ) -> NodePlace:
         """Launch node-ranks 1.. of this engine (one EngineNode actor each); returns node 0's place, where they
         meet (this node's address, the engine's rendezvous port: megarl/rollout/sglang_launch.py)."""
         from megarl.checkpoint.model_dir import hf_config_dir
@@ -205,7 +196,8 @@ class RolloutWorker(Worker):
 
         self._node_slots = slots
         # the node's processes see the node's GPUs (CUDA_VISIBLE_DEVICES is set for the server from the slot)
-        self._nodes = start_engine_nodes(slots, config.sglang, command_for, env={NOSET_CUDA_VISIBLE_DEVICES: "1"})
+        env = {NOSET_CUDA_VISIBLE_DEVICES: "1"}
+        self._nodes, self._node_process_groups = start_engine_nodes(slots, config.sglang, command_for, env, reap)
         return NodePlace(nnodes, 0, meet)
 
     def check_nodes(self) -> None:

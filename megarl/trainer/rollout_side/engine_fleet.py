@@ -5,7 +5,8 @@ which each engine stands alone: an engine that dies, raises, serves the wrong we
 before its phase's deadline does not take the others down (as a failed `WorkerGroup.call` would: every rank
 killed, the run restarted from its checkpoint). Instead:
 
-1. that engine alone is killed (its worker, and its server's process group: the new worker reaps it first);
+1. that engine alone is killed (its worker, and its server's process groups on every node it spans: the new worker
+   and its node actors reap them first);
 2. a new worker starts on the same bundle (the same GPUs, the same rank), sets the engine up, fenced: it refuses to
    generate (workers/rollout_worker.py, EngineFenced) until
 3. a full weight sync at the version the other engines hold (trainer/rollout_side/engine_sync.py, `sync_engine`);
@@ -84,7 +85,9 @@ class EngineFleet(WorkerGroup):
         self.requeued = 0
         """Requests sent again since the last `take_metrics`."""
         self._setup: list[tuple[tuple, dict]] = []
-        self._process_groups: list[list[int]] = []
+        self._process_groups: list[tuple[list[int], list[list[int]]]] = []
+        """Per engine: its server's process groups on its first node and on each other node (reaped when it is
+        started again)."""
         self._starting: dict[int, Any] = {}
         """Engines started again, rank -> their setup call's ObjectRef."""
 
@@ -110,7 +113,7 @@ class EngineFleet(WorkerGroup):
 
     def started(self, results: list[dict]) -> None:
         """What `setup` answered on every engine (their own process groups, reaped when one is started again)."""
-        self._process_groups = [result["process_groups"] for result in results]
+        self._process_groups = [_process_groups(result) for result in results]
 
     # -- calls that survive an engine ----------------------------------------------------------------------------
 
@@ -241,7 +244,8 @@ class EngineFleet(WorkerGroup):
         self.relaunch_rank(rank, wait=False)
         args, kwargs = self._setup[rank]
         fenced = RESTARTED if self.resync is not None and self.resync.num_syncs else None
-        kwargs = {**kwargs, "fenced": fenced, "reap": self._process_groups[rank]}
+        reap, reap_nodes = self._process_groups[rank]
+        kwargs = {**kwargs, "fenced": fenced, "reap": reap, "reap_nodes": reap_nodes}
         self._starting[rank] = self.workers[rank].call_method.remote("setup", True, *args, **kwargs)
 
     def _finish_restarts(self) -> None:
@@ -252,13 +256,17 @@ class EngineFleet(WorkerGroup):
             started, failures = self._wait("call 'setup'", dict(self._starting), start_up=True)
             self._starting = {}
             for rank, result in started.items():
-                self._process_groups[rank] = result["process_groups"]
+                self._process_groups[rank] = _process_groups(result)
             ready += started
             self._fail(failures, "setup")
         for rank in sorted(ready):
             if self.resync is not None and self.resync.num_syncs:
                 self.resync.sync_engine(rank)
             log.info("rollout engine %d serves again", rank)
+
+
+def _process_groups(setup_result: dict) -> tuple[list[int], list[list[int]]]:
+    return setup_result["process_groups"], setup_result.get("node_process_groups", [])
 
 
 def _split(indices: list[int], ranks: list[int]) -> dict[int, list[int]]:
