@@ -45,9 +45,9 @@ class EngineNode:
         self, config, command: list[str], gpu_ids: list[str], node_rank: int, nnodes: int, reap: Sequence[int] = ()
     ) -> int:
         """Start this node's SGLang process (`config`: the SGLangEngineConfig); not waiting for health: node 0
-        answers for the engine. `reap`: the process groups the engine this one replaces left on this node (its
-        EngineNode actor died with the engine's worker; the SGLang process, in a session of its own, did not),
-        killed first. Returns the new process group."""
+        answers for the engine. `reap`: the process groups the engine this one replaces left on this node, killed
+        first (Ray kills what a dead actor started, unless told not to; a session of its own may escape it).
+        Returns the new process group."""
         from megarl.rollout.sglang_server import SGLangServer, build_server_env, reap_process_groups
 
         reap_process_groups(reap)

@@ -266,7 +266,7 @@ class EngineFleet(WorkerGroup):
 
 
 def _process_groups(setup_result: dict) -> tuple[list[int], list[list[int]]]:
-    return setup_result["process_groups"], setup_result.get("node_process_groups", [])
+    return setup_result["process_groups"], setup_result["node_process_groups"]
 
 
 def _split(indices: list[int], ranks: list[int]) -> dict[int, list[int]]:
