@@ -130,23 +130,60 @@ class TeacherTraining:
 
 
 @dataclass
-class TeacherConfig(RoleConfig):
-    """On-policy distillation's teacher (algorithm.distill_coef > 0): a frozen model with the student's tokenizer,
-    any registered architecture, that scores every token the actor samples. One more group of placement.train_gpus
-    workers (colocated: it shares the actor's GPUs), loaded and run like the ref model."""
+class TeacherServer:
+    """An SGLang server that already serves the teacher (teacher.backend=sglang), e.g. a large teacher on nodes of
+    its own: it scores the student's tokens through /generate (prompt log-probs, nothing generated)."""
 
-    backend: str = "megatron"
-    """What serves the teacher: megatron (a frozen Megatron model, like the ref model); the only one supported."""
-    model: ModelSettings = field(default_factory=ModelSettings)
-    """The teacher's weights (model.path: a HF folder or a megarl checkpoint folder) and its own layout."""
-    train: TeacherTraining = field(default_factory=TeacherTraining)
+    urls: list[str] = field(default_factory=list)
+    """Its base URLs (http://host:port), one per server; requests are spread over them."""
+    timeout_s: float = 600.0
+    """Deadline of one scoring request."""
+    max_request_tokens: int = 65536
+    """Tokens per /generate request (samples are grouped up to this many; a longer sample goes alone)."""
+    parallel_requests: int = 4
+    """Requests in flight at once, over all servers."""
+    retries: int = 1
+    """A failed request is sent again, to the next server, this many times before the step fails."""
 
     def check(self, key: str) -> None:
-        if self.backend != "megatron":
+        for name in ("timeout_s", "max_request_tokens", "parallel_requests"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"{key}.{name}={getattr(self, name)} must be > 0")
+        if self.retries < 0:
+            raise UserError(f"{key}.retries={self.retries} must be >= 0")
+
+    def check_urls(self, key: str) -> None:
+        """For a job that uses the servers (teacher.backend=sglang)."""
+        bad = [url for url in self.urls if not url.startswith(("http://", "https://"))]
+        if not self.urls or bad:
+            shown = f" ({', '.join(map(repr, bad))} is not one)" if bad else ""
             raise UserError(
-                f"{key}.backend={self.backend!r}: only megatron teachers are supported yet (a frozen Megatron model "
-                "next to the actor); an SGLang-served teacher is not implemented: use megatron"
+                f"{key}.urls={self.urls}: teacher.backend=sglang needs the base URL of at least one SGLang server "
+                f"serving the teacher, e.g. [http://10.0.0.5:30000]{shown}"
             )
+
+
+@dataclass
+class TeacherConfig(RoleConfig):
+    """On-policy distillation's teacher (algorithm.distill_coef > 0): a frozen model with the student's tokenizer,
+    any registered architecture, that scores every token the actor samples. backend megatron: one more group of
+    placement.train_gpus workers (colocated: it shares the actor's GPUs), loaded and run like the ref model;
+    backend sglang: an SGLang server the user runs (teacher.sglang.urls) returns the log-probs."""
+
+    backend: Literal["megatron", "sglang"] = "megatron"
+    """What serves the teacher: megatron (a frozen Megatron model next to the actor), or sglang (a running SGLang
+    server, teacher.sglang; prompt log-probs come at temperature 1, so rollout.sampling.temperature must be 1)."""
+    model: ModelSettings = field(default_factory=ModelSettings)
+    """The teacher's weights (model.path: a HF folder or a megarl checkpoint folder) and its own layout. With
+    backend sglang: a folder with the teacher's config.json and tokenizer, checked against the student's (the
+    weights stay with the server)."""
+    train: TeacherTraining = field(default_factory=TeacherTraining)
+    sglang: TeacherServer = field(default_factory=TeacherServer)
+    """The SGLang server(s) serving the teacher (backend sglang)."""
+
+    def check(self, key: str) -> None:
+        if self.backend not in ("megatron", "sglang"):
+            raise UserError(f"{key}.backend={self.backend!r}: valid are megatron, sglang")
 
 
 @dataclass
@@ -254,6 +291,11 @@ class JobConfig:
     def needs_teacher(self) -> bool:
         return bool(self.rl_stages) and self.algorithm.needs_teacher()
 
+    @property
+    def needs_teacher_workers(self) -> bool:
+        """A teacher the job runs itself (backend megatron), rather than a server it calls."""
+        return self.needs_teacher and self.teacher.backend == "megatron"
+
     def hybrid_engine(self) -> bool:
         """Whether the hf engines run inside the actor's workers, engine i in worker i (rollout.hf.hybrid); `on`
         where they cannot is a UserError naming what rules it out."""
@@ -355,6 +397,15 @@ class JobConfig:
                 "HF folder or megarl checkpoint with the student's tokenizer), or teacher.train.config (a job config "
                 "that trains one first)"
             )
+        if teacher.backend == "sglang":
+            self._check_served_teacher()
+        elif teacher.sglang.urls:
+            warnings.warn(
+                f"teacher.sglang.urls={teacher.sglang.urls} has no effect: teacher.backend=megatron (set "
+                "teacher.backend=sglang to score with those servers)",
+                UserWarning,
+                stacklevel=3,
+            )
         if teacher.model.path and teacher.train.config:
             warnings.warn(
                 f"teacher.train.config={teacher.train.config!r} has no effect: teacher.model.path is given",
@@ -373,3 +424,21 @@ class JobConfig:
                     f"teacher.train.config={teacher.train.config!r} trains no actor (run.stages={job.run.stages}): "
                     "the teacher is the actor of that job; give it an sft, grpo or ppo stage"
                 )
+
+    def _check_served_teacher(self) -> None:
+        """teacher.backend=sglang: a running server scores at temperature 1 the teacher it already holds."""
+        teacher, temperature = self.teacher, self.rollout.sampling.temperature
+        teacher.sglang.check_urls("teacher.sglang")
+        if not teacher.model.path:
+            raise UserError(
+                "teacher.backend=sglang needs teacher.model.path: a folder with the teacher's config.json and "
+                "tokenizer, so megarl can check that it maps every token to the student's id (the server keeps the "
+                "weights); a teacher the run trains first (teacher.train) is served by megatron"
+            )
+        if temperature != 1.0:
+            raise UserError(
+                f"teacher.backend=sglang with rollout.sampling.temperature={temperature}: SGLang returns prompt "
+                "log-probs at temperature 1 while megarl scores the student at the sampling temperature, so the "
+                "reverse KL would compare two temperatures; set rollout.sampling.temperature=1.0, or use "
+                "teacher.backend=megatron (both sides at the sampling temperature)"
+            )

@@ -88,9 +88,9 @@ def test_distillation_without_a_teacher_names_both_ways_to_give_one(tmp_path):
         _load(tmp_path, "algorithm.distill_coef=1.0")
 
 
-def test_only_megatron_teachers_are_supported_yet(tmp_path):
-    with pytest.raises(UserError, match=r"teacher.backend='sglang': only megatron teachers are supported yet"):
-        _load(tmp_path, "algorithm.distill_coef=1.0", "teacher.backend=sglang", f"teacher.model.path={tmp_path}")
+def test_a_teacher_backend_megarl_does_not_have_is_named(tmp_path):
+    with pytest.raises(UserError, match=r"teacher.backend.*'vllm'.*megatron.*sglang"):
+        _load(tmp_path, "algorithm.distill_coef=1.0", "teacher.backend=vllm", f"teacher.model.path={tmp_path}")
 
 
 def test_negative_weights_and_a_bad_teacher_job_are_named(tmp_path):

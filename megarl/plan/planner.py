@@ -153,6 +153,8 @@ def planned_roles(config: JobConfig) -> list[PlannedRole]:
         roles.append(PlannedRole("critic", config.critic, config.critic.optim, "value"))
     if config.needs_ref:
         roles.append(PlannedRole("ref", config.ref, None, "lm"))
+    if config.needs_teacher_workers:  # an SGLang-served teacher takes none of the job's GPUs
+        roles.append(PlannedRole("teacher", config.teacher, None, "lm"))
     if "rm" in stages:
         roles.append(PlannedRole("reward_model", config.reward_model, config.rm.optim, "value"))
     elif rl and config.reward_model.enabled:
@@ -191,14 +193,26 @@ def _shapes(config: JobConfig, roles: list[PlannedRole]) -> dict[str, tuple[Mode
     shapes = {}
     for role in roles:
         key = f"{role.name}.model.path"
-        init = config.model.init.config if config.model.init and role.settings.model.path == config.model.path else None
-        path = find_config_json(role.settings.model.path, config.plan.model_config, key, init)
+        model_path, init = role.settings.model.path, None
+        if config.model.init and model_path == config.model.path:
+            init = config.model.init.config
+        if role.name == "teacher" and not model_path:  # a teacher the run trains first: that job's actor
+            model_path, init = _trained_teacher_model(config)
+        path = find_config_json(model_path, config.plan.model_config, key, init)
         backend = "local" if role.settings.model.spec_backend == "local" else "te"
         if (path, backend) not in cache:
             hf_config = hf_config_from_dict(load_config_json(path, key))
             cache[path, backend] = (model_shape(hf_config, backend), hf_config, path)
         shapes[role.name] = cache[path, backend]
     return shapes
+
+
+def _trained_teacher_model(config: JobConfig) -> tuple[str, str | None]:
+    """(model path, model.init.config) of the actor of teacher.train.config, the job that trains the teacher."""
+    from megarl.config import load_config
+
+    job = load_config(type(config), config.teacher.train.config, config.teacher.train.overrides)
+    return job.model.path, job.model.init.config if job.model.init else None
 
 
 def _role_memories(

@@ -221,6 +221,11 @@ def check_teacher(config: JobConfig, off_machine: bool = False, tokenizer=None) 
             f"teacher.model.path={path!r} does not exist; give a HF model folder or a megarl checkpoint folder with "
             "the student's tokenizer, or leave it empty and set teacher.train.config to train one first"
         )
+    if config.teacher.backend == "sglang":  # the server holds the weights: its tokenizer, and that it answers
+        if tokenizer is not None:
+            check_same_tokenizer(path, tokenizer)
+            check_teacher_servers(config)
+        return
     hf_config = load_hf_config(hf_config_dir(path))
     arch = get_architecture(hf_config.model_type)
     arch.check_supported(hf_config)
@@ -228,6 +233,14 @@ def check_teacher(config: JobConfig, off_machine: bool = False, tokenizer=None) 
     check_role_layout("teacher", config.teacher, arch, hf_config, config.placement.train_gpus)
     if tokenizer is not None:
         check_same_tokenizer(path, tokenizer)
+
+
+def check_teacher_servers(config: JobConfig) -> None:
+    """teacher.backend=sglang: every server answers (before any worker starts); says what each one serves."""
+    from megarl.rollout.sglang_teacher import SGLangTeacher
+
+    for line in SGLangTeacher.from_config(config.teacher.sglang).describe():
+        print(f"megarl: teacher: {line}", flush=True)
 
 
 def plans_memory(config: JobConfig) -> bool:

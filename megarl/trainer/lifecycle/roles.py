@@ -37,6 +37,7 @@ from megarl.workers.megatron_worker import MegatronWorker
 
 if TYPE_CHECKING:
     from megarl.job import JobConfig, RoleConfig
+    from megarl.rollout.sglang_teacher import SGLangTeacher
 
 
 FROZEN_POLICIES = ("ref", "teacher")
@@ -56,6 +57,8 @@ class Roles:
     colocated: bool
     teacher: WorkerGroup | None = None
     """On-policy distillation's teacher (teacher section): a frozen policy like `ref`."""
+    teacher_server: SGLangTeacher | None = None
+    """On-policy distillation's teacher served by SGLang servers the user runs (teacher.backend=sglang)."""
     engine_gpu_ids: list[list[str]] | None = None
     """GPU ids of each rollout engine (rank order) on its first node when engines have several GPUs; None: one
     GPU, the worker's."""
@@ -140,7 +143,7 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
     wanted = {
         "critic": config.needs_critic,
         "ref": config.needs_ref,
-        "teacher": config.needs_teacher,
+        "teacher": config.needs_teacher_workers,
         "reward_model": (bool(config.rl_stages) and config.reward_model.enabled) or "rm" in config.run.stages,
     }
     train_roles = ["actor", *[name for name, on in wanted.items() if on]]
@@ -195,6 +198,7 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
         critic=groups.get("critic"),
         ref=groups.get("ref"),
         teacher=groups.get("teacher"),
+        teacher_server=served_teacher(config),
         reward_model=groups.get("reward_model"),
         pools=pools,
         colocated=colocated,
@@ -271,3 +275,12 @@ def _setup(
     name = name or group.role
     path = str(resume.folder / name) if resume is not None and (resume.folder / name).is_dir() else None
     return group.async_call("setup", role.model, role.micro_batch, head, optim, total_steps, seed, path)
+
+
+def served_teacher(config: JobConfig) -> SGLangTeacher | None:
+    """The SGLang-served teacher of a distilling job (teacher.backend=sglang); None otherwise."""
+    if not config.needs_teacher or config.teacher.backend != "sglang":
+        return None
+    from megarl.rollout.sglang_teacher import SGLangTeacher
+
+    return SGLangTeacher.from_config(config.teacher.sglang)

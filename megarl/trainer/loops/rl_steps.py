@@ -140,6 +140,8 @@ def add_logprobs(
     for name, tensor in LOGPROB_TENSORS.items():  # the frozen policies' log-probs of the same tokens
         if (group := getattr(roles, name)) is not None:
             tensors[tensor] = _dp_call(group, "compute_logprobs", batch, temperature, balance=balance)["logprobs"]
+    if (server := getattr(roles, "teacher_server", None)) is not None:  # teacher.backend=sglang (temperature 1)
+        tensors["teacher_logprobs"] = server.logprobs(batch)
     if roles.critic is not None:
         values = _dp_call(roles.critic, "compute_values", batch, balance=balance)
         tensors["old_values"] = values["values"]
