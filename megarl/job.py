@@ -210,6 +210,10 @@ class PlacementConfig:
     """GPUs (workers) of each training role's group."""
     rollout_gpus: int = 0
     """split: GPUs of the rollout engines (a multiple of rollout.gpus_per_engine)."""
+    teacher_gpus: int = 0
+    """On-policy distillation with a Megatron teacher: 0 puts the teacher's group on the training GPUs, beside the
+    actor (`train_gpus` workers, memory shared); N gives it N GPUs of its own, after the training and rollout GPUs
+    (its `teacher.model.parallel` layout then splits over N), so a large teacher takes none of the actor's memory."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """colocated: what the training roles hand over while the engines generate (trainer/lifecycle/handover.py)."""
     handover: Literal["auto", "always"] = "auto"
@@ -225,6 +229,13 @@ class PlacementConfig:
             raise UserError(f"{key}.mode=split needs {key}.rollout_gpus >= 1")
         if self.mode == "colocated" and self.rollout_gpus:
             raise UserError(f"{key}.rollout_gpus={self.rollout_gpus} has no effect with {key}.mode=colocated; use 0")
+        if self.teacher_gpus < 0:
+            raise UserError(f"{key}.teacher_gpus={self.teacher_gpus} must be >= 0 (0: on the training GPUs)")
+
+    @property
+    def gpus(self) -> int:
+        """Every GPU the job's placement takes."""
+        return self.train_gpus + self.rollout_gpus + self.teacher_gpus
 
 
 @dataclass
@@ -326,7 +337,7 @@ class JobConfig:
         cluster = self.cluster
         if not cluster.is_local or cluster.logical_gpus is not None or cuda_available():
             return cluster
-        needed = self.placement.train_gpus + self.placement.rollout_gpus
+        needed = self.placement.gpus
         return dataclasses.replace(cluster, logical_gpus=needed, gpus_per_node=needed)
 
     def weight_sync_transport(self) -> str:
@@ -387,6 +398,11 @@ class JobConfig:
         """A distilling job names its teacher (or the job that trains it, which must load and train an actor)."""
         teacher, coef = self.teacher, self.algorithm.distill_coef
         if not self.needs_teacher:
+            if self.placement.teacher_gpus:
+                raise UserError(
+                    f"placement.teacher_gpus={self.placement.teacher_gpus} has no effect: the job has no teacher "
+                    "(algorithm.distill_coef=0 or no RL stage); use 0"
+                )
             if teacher.model.path or teacher.train.config:
                 why = "no RL stage" if coef > 0 else "algorithm.distill_coef=0"
                 warnings.warn(f"the teacher section has no effect: {why} (no distillation)", UserWarning, stacklevel=3)
@@ -399,6 +415,11 @@ class JobConfig:
             )
         if teacher.backend == "sglang":
             self._check_served_teacher()
+            if self.placement.teacher_gpus:
+                raise UserError(
+                    f"placement.teacher_gpus={self.placement.teacher_gpus} has no effect with teacher.backend=sglang "
+                    "(the servers have their own GPUs); use 0"
+                )
         elif teacher.sglang.urls:
             warnings.warn(
                 f"teacher.sglang.urls={teacher.sglang.urls} has no effect: teacher.backend=megatron (set "

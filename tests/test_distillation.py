@@ -150,7 +150,8 @@ NUM_STEPS = 2
 @pytest.fixture(scope="module")
 def distill_run(tmp_path_factory):
     """A 2-step GRPO run mixing the reward and distillation (weights 1 and 1) whose teacher is the student's own
-    starting model."""
+    starting model, on a GPU of its own (placement.teacher_gpus=1: its own Ray pool; on the training GPUs it is
+    set up and called exactly as the ref model is, which the other end-to-end tests run)."""
     from megarl.job import ModelInit
     from megarl.trainer.lifecycle.model_init import build_model_folder
 
@@ -160,8 +161,10 @@ def distill_run(tmp_path_factory):
 algorithm: {{distill_coef: 1.0}}
 teacher: {{model: {{path: {model}, dtype: float32}}}}
 """
+
     config = write_config(folder, "[grpo]", NUM_STEPS, distill, tp=1)
-    megarl_train(config, "rl.eval_at_start=false", "data.eval_files=[]")
+    out = megarl_train(config, "rl.eval_at_start=false", "data.eval_files=[]", "placement.teacher_gpus=1")
+    assert "actor 1, teacher 1 on GPUs of its own;" in out.stdout  # the start-up line
     return folder, metrics(folder / "run")
 
 

@@ -215,14 +215,44 @@ def test_a_run_distils_from_an_sglang_teacher_that_is_the_students_start(teacher
     assert sum(len(r["input_ids"]) for r in server.requests) == 32  # 8 prompts x 4 samples, each scored once
 
 
-def test_the_plan_counts_a_megatron_teacher_on_the_actors_gpus_and_no_served_one(teacher_model, tmp_path):
+def test_the_plan_counts_a_megatron_teacher_beside_the_actor_or_on_its_own_gpus_and_no_served_one(
+    teacher_model, tmp_path
+):
     from megarl.plan.planner import run_plan
 
     folder, _ = teacher_model
-    config = write_config(
-        tmp_path, "[grpo]", 1, f"algorithm: {{distill_coef: 1.0}}\nteacher: {{model: {{path: {folder}}}}}"
+    extra = f"algorithm: {{distill_coef: 1.0}}\nteacher: {{model: {{path: {folder}}}}}"
+    config = write_config(tmp_path, "[grpo]", 1, extra)
+    beside = run_plan(load_config(JobConfig, config))
+    assert [role.name for role in beside.roles] == ["actor", "teacher"]
+    assert beside.placement.node_map == [
+        ("node 0", "actor, teacher (2 GPUs, 2 per node); rollout (2 engines x 1 GPU), taking turns")
+    ]
+    actor_resident = dict(beside.roles[0].lines)
+    assert "resident: 2 worker processes, teacher weights" in actor_resident  # the hf engine is not planned
+
+    own = run_plan(
+        load_config(
+            JobConfig,
+            config,
+            ["placement.teacher_gpus=4", "cluster.gpus_per_node=4", "cluster.num_nodes=2", "cluster.address=auto"],
+        )
     )
-    megatron = run_plan(load_config(JobConfig, config))
-    assert [role.name for role in megatron.roles] == ["actor", "teacher"]
-    served = run_plan(load_config(JobConfig, config, ["teacher.backend=sglang", "teacher.sglang.urls=[http://h:1]"]))
-    assert [role.name for role in served.roles] == ["actor"]
+    assert own.placement.node_map == [
+        ("node 0", "actor (2 GPUs, 2 per node); rollout (2 engines x 1 GPU), taking turns"),
+        ("node 1", "teacher (4 GPUs)"),  # its pool is one node's GPUs: the next node with room
+    ]
+    actor, teacher = own.roles[:2]
+    assert "resident: 1 worker process" in dict(actor.lines)  # no teacher
+    assert teacher.layout.startswith("tp 1 | pp 1 | vpp 1 | cp 1 | dp 4")
+    assert "resident: 1 worker process" in dict(teacher.lines)
+    full = run_plan(load_config(JobConfig, config, ["placement.teacher_gpus=8", "cluster.gpus_per_node=8"]))
+    assert (
+        "the job needs 16 GPUs (train_gpus=2 + teacher_gpus=8, the teacher's from a node's first GPU); the "
+        "cluster has 8" in full.placement.problems[0]
+    )
+
+    served = ["teacher.backend=sglang", "teacher.sglang.urls=[http://h:1]"]
+    assert [role.name for role in run_plan(load_config(JobConfig, config, served)).roles] == ["actor"]
+    with pytest.raises(UserError, match=r"placement.teacher_gpus=1 has no effect with teacher.backend=sglang"):
+        load_config(JobConfig, config, [*served, "placement.teacher_gpus=1"])

@@ -117,11 +117,15 @@ def test_metrics_land_in_their_groups():
         "response_length/clip_frac",
         "timing/rollout_s",
         "skill/other",
+        "distill/reverse_kl",
+        "distill/reverse_kl_per_sample",
+        "distill/teacher_logprob",
     ]
     groups = {group.name: group_keys(group, keys) for group in PLOT_GROUPS}
     assert groups["reward"] == ["eval/accuracy", "eval/math/accuracy", "reward/mean"]
     assert groups["kl"] == ["actor/kl", "actor/approx_kl", "actor/kl_loss"]  # mismatch/kl has its own figure
     assert groups["mismatch"] == ["mismatch/kl"]
+    assert groups["distill"] == ["distill/reverse_kl", "distill/teacher_logprob"]  # per sample: another scale
     assert groups["loss"] == ["actor/kl_loss", "actor/pg_loss", "critic/vf_loss"]
     assert groups["response_length"] == ["response_length/mean"]
     assert groups["clipping"] == ["actor/clip_frac", "response_length/clip_frac"]

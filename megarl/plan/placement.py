@@ -1,10 +1,11 @@
 """Where the roles go: training GPUs, rollout engines, nodes; and which parallel groups cross nodes.
 
-Training roles (actor, critic, ref, reward model) are each a group of `placement.train_gpus` workers on the same
-GPUs, filling nodes in order (GPU 0 of node 0 first). Colocated: the rollout engines take turns with them on those
-GPUs, train_gpus / gpus_per_engine engines. Split: the engines get `placement.rollout_gpus` GPUs of their own, the
-ones after the training GPUs (on the same node when it has room). An engine wider than a node is a multi-node
-SGLang server and must cover whole nodes; a narrower one must not straddle two.
+Training roles (actor, critic, ref, reward model, a distillation teacher) are each a group of `placement.train_gpus`
+workers on the same GPUs, filling nodes in order (GPU 0 of node 0 first). Colocated: the rollout engines take turns
+with them on those GPUs, train_gpus / gpus_per_engine engines. Split: the engines get `placement.rollout_gpus` GPUs
+of their own, the ones after the training GPUs (on the same node when it has room). An engine wider than a node is
+a multi-node SGLang server and must cover whole nodes; a narrower one must not straddle two. A teacher with GPUs of
+its own (`placement.teacher_gpus`) takes the ones after the training and rollout GPUs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class Placement:
     """GPUs the engines use (colocated: the training GPUs again)."""
     gpus_per_engine: int
     num_engines: int
+    teacher_gpus: int = 0
+    """A Megatron teacher's own GPUs, after the training and rollout GPUs (0: it shares the training GPUs)."""
     node_map: list[tuple[str, str]] = field(default_factory=list)
     """(nodes, what runs there), for the report."""
     problems: list[str] = field(default_factory=list)
@@ -70,7 +73,9 @@ def place(
     gpus_per_node: int | None,
     training_roles: list[str],
     with_rollout: bool,
+    teacher_gpus: int = 0,
 ) -> Placement:
+    """`teacher_gpus`: a Megatron teacher's own GPUs (placement.teacher_gpus; 0: it is one of `training_roles`)."""
     gpn = gpus_per_node or DEFAULT_GPUS_PER_NODE
     engines_gpus = train_gpus if mode == "colocated" else rollout_gpus
     result = Placement(
@@ -85,11 +90,15 @@ def place(
     )
     if gpus_per_node is None:
         result.notes.append(f"cluster.gpus_per_node is null: planned with {gpn} GPUs per node")
+    result.teacher_gpus = teacher_gpus
     needed = train_gpus + (rollout_gpus if mode == "split" and with_rollout else 0)
+    needed = _teacher_first_gpu(needed, teacher_gpus, gpn) + teacher_gpus
     if needed > num_nodes * gpn:
         result.problems.append(
             f"placement: the job needs {needed} GPUs (train_gpus={train_gpus}"
             + (f" + rollout_gpus={rollout_gpus}" if mode == "split" else "")
+            + (f" + teacher_gpus={teacher_gpus}" if teacher_gpus else "")
+            + (", the teacher's from a node's first GPU" if needed > train_gpus + rollout_gpus + teacher_gpus else "")
             + f"); the cluster has {num_nodes * gpn} (cluster.num_nodes={num_nodes} x {gpn} GPUs per node)"
         )
     if train_gpus > gpn and train_gpus % gpn:
@@ -127,6 +136,14 @@ def _check_engines(result: Placement, engines_gpus: int) -> None:
         )
 
 
+def _teacher_first_gpu(used: int, teacher_gpus: int, gpn: int) -> int:
+    """The teacher's first GPU after `used` ones: the next node's first when it would not fit in what is left of
+    the current node (its pool is one node's GPUs, or whole nodes)."""
+    if teacher_gpus and used % gpn and used % gpn + teacher_gpus > gpn:
+        return -(-used // gpn) * gpn
+    return used
+
+
 def _span(first: int, count: int) -> str:
     return f"node {first}" if count == 1 else f"nodes {first}-{first + count - 1}"
 
@@ -142,10 +159,19 @@ def _node_map(result: Placement, roles: list[str], with_rollout: bool) -> list[t
         engines += f"{result.gpus_per_engine} GPU{'s' if result.gpus_per_engine > 1 else ''})"
     if result.mode == "colocated":
         what = training + (f"; {engines}, taking turns" if engines else "")
-        return [(_span(0, train_nodes), what)]
-    rows = [(_span(0, train_nodes), training)]
-    if engines:
-        rows.append((_span(result.rollout_node_ids.start, result.rollout_nodes), engines))
+        rows = [(_span(0, train_nodes), what)]
+    else:
+        rows = [(_span(0, train_nodes), training)]
+        if engines:
+            rows.append((_span(result.rollout_node_ids.start, result.rollout_nodes), engines))
+    if result.teacher_gpus:
+        used = result.train_gpus + (result.rollout_gpus if result.mode == "split" else 0)
+        first = _teacher_first_gpu(used, result.teacher_gpus, gpn)
+        last = first + result.teacher_gpus - 1
+        count = result.teacher_gpus
+        rows.append(
+            (_span(first // gpn, last // gpn - first // gpn + 1), f"teacher ({count} GPU{'s' if count > 1 else ''})")
+        )
     return rows
 
 

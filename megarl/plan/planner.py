@@ -72,9 +72,16 @@ def run_plan(config: JobConfig, config_path: str = "") -> PlanReport:
         notes.append(f"rollout.backend={config.rollout.backend}: the engine runs on the CPU; its memory is not planned")
     colocated_engine = engine is not None and config.placement.mode == "colocated"
     engine_keeps = _released_engine_bytes(config, engine, notes) if colocated_engine else 0.0
-    processes = len(roles) + (1 if colocated_engine else 0)
-    frozen = [m for m in memories.values() if not m.trainable]
-    reports = [_role_report(memories[role.name], role, memories, processes, engine_keeps, gpus) for role in roles]
+    sharing = [role for role in roles if not _own_gpus(config, role.name)]  # the roles on the training GPUs
+    processes = len(sharing) + (1 if colocated_engine else 0)
+    frozen = [memories[role.name] for role in sharing if not memories[role.name].trainable]
+    shared = {role.name: memories[role.name] for role in sharing}
+    reports = [
+        _role_report(memories[role.name], role, shared, processes, engine_keeps, gpus)
+        if role in sharing
+        else _role_report(memories[role.name], role, {}, 1, 0.0, gpus)
+        for role in roles
+    ]
     sync = None
     if engine is not None:
         reports.append(_rollout_report(config, engine, frozen, processes, placement, longest, gpus))
@@ -137,9 +144,15 @@ def job_placement(config: JobConfig, roles: list[PlannedRole] | None = None) -> 
         config.rollout.gpus_per_engine,
         config.cluster.num_nodes,
         config.cluster.gpus_per_node,
-        [role.name for role in roles or planned_roles(config)],
+        [role.name for role in roles or planned_roles(config) if not _own_gpus(config, role.name)],
         with_rollout=bool(config.rl_stages),
+        teacher_gpus=config.placement.teacher_gpus if config.needs_teacher_workers else 0,
     )
+
+
+def _own_gpus(config: JobConfig, role: str) -> bool:
+    """Whether `role` has GPUs of its own rather than the training GPUs (a teacher with placement.teacher_gpus)."""
+    return role == "teacher" and config.placement.teacher_gpus > 0
 
 
 def planned_roles(config: JobConfig) -> list[PlannedRole]:
@@ -223,7 +236,8 @@ def _role_memories(
     for role in roles:
         shape, hf_config, _ = shapes[role.name]
         settings = role.settings
-        layout = resolve_layout(settings.model, config.placement.train_gpus, f"{role.name}.model", shape, hf_config)
+        world = config.placement.teacher_gpus if _own_gpus(config, role.name) else config.placement.train_gpus
+        layout = resolve_layout(settings.model, world, f"{role.name}.model", shape, hf_config)
         memories[role.name] = role_memory(
             role.name, shape, layout, settings.model, settings.micro_batch, role.optimizer, longest, role.head
         )

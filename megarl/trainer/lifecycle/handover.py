@@ -52,7 +52,7 @@ class Handover:
             return
         self._call(self.roles.rollout, "release_memory", list(MEMORY_TAGS))
         if self.holder == "rollout":
-            for group in self.roles.training_groups():
+            for group in self.roles.sharing_groups():
                 self._call(group, "onload")
         self.holder = "training"
 
@@ -65,7 +65,7 @@ class Handover:
             return sync() if sync is not None else {}  # the engines hold the GPUs already (KV cache resident)
         offload = self.offload
         released = self.holder == "training"  # the engines gave their weights back at the last handover
-        for group in self.roles.training_groups():
+        for group in self.roles.sharing_groups():
             self._call(group, "offload", False, offload.grads, offload.optimizer)
         if released:
             self._call(self.roles.rollout, "resume_memory", ["weights"])
@@ -73,7 +73,7 @@ class Handover:
         if sync is not None or released:
             self.calls.append("sync")
             metrics = (sync or self.resync)()
-        for group in self.roles.training_groups():
+        for group in self.roles.sharing_groups():
             self._call(group, "offload", offload.params, offload.grads, offload.optimizer)
         if released:
             self._call(self.roles.rollout, "resume_memory", ["kv_cache"])

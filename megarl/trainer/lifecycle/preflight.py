@@ -230,9 +230,14 @@ def check_teacher(config: JobConfig, off_machine: bool = False, tokenizer=None) 
     arch = get_architecture(hf_config.model_type)
     arch.check_supported(hf_config)
     check_model_files(path, hf_config)
-    check_role_layout("teacher", config.teacher, arch, hf_config, config.placement.train_gpus)
+    check_role_layout("teacher", config.teacher, arch, hf_config, teacher_gpus(config))
     if tokenizer is not None:
         check_same_tokenizer(path, tokenizer)
+
+
+def teacher_gpus(config: JobConfig) -> int:
+    """The Megatron teacher's workers: its own GPUs (placement.teacher_gpus), else the training GPUs."""
+    return config.placement.teacher_gpus or config.placement.train_gpus
 
 
 def check_teacher_servers(config: JobConfig) -> None:

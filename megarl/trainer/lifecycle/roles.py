@@ -59,6 +59,8 @@ class Roles:
     """On-policy distillation's teacher (teacher section): a frozen policy like `ref`."""
     teacher_server: SGLangTeacher | None = None
     """On-policy distillation's teacher served by SGLang servers the user runs (teacher.backend=sglang)."""
+    teacher_on_own_gpus: bool = False
+    """The teacher's group has GPUs of its own (placement.teacher_gpus): it takes no part in the handover."""
     engine_gpu_ids: list[list[str]] | None = None
     """GPU ids of each rollout engine (rank order) on its first node when engines have several GPUs; None: one
     GPU, the worker's."""
@@ -67,6 +69,11 @@ class Roles:
 
     def training_groups(self) -> list[WorkerGroup]:
         return [g for g in (self.actor, self.critic, self.ref, self.teacher, self.reward_model) if g is not None]
+
+    def sharing_groups(self) -> list[WorkerGroup]:
+        """The training groups on the training GPUs: they hand their memory over to colocated engines."""
+        own = self.teacher if self.teacher_on_own_gpus else None
+        return [g for g in self.training_groups() if g is not own]
 
     def on_gpus(self) -> bool:
         """Whether the training workers compute on GPUs (one call to the actor's workers)."""
@@ -146,7 +153,8 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
         "teacher": config.needs_teacher_workers,
         "reward_model": (bool(config.rl_stages) and config.reward_model.enabled) or "rm" in config.run.stages,
     }
-    train_roles = ["actor", *[name for name, on in wanted.items() if on]]
+    own_teacher = wanted["teacher"] and config.placement.teacher_gpus > 0  # its own GPUs: none of the actor's
+    train_roles = ["actor", *[name for name, on in wanted.items() if on and not (name == "teacher" and own_teacher)]]
     colocated = config.placement.mode == "colocated"
     hybrid = config.hybrid_engine()  # the engine inside the actor's worker: no worker of its own
     train_pool = _pool("train", config.placement.train_gpus, cluster, cluster.cpus_per_worker)
@@ -177,6 +185,12 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
             ]
         rollout_env = {**env, NOSET_CUDA_VISIBLE_DEVICES: "1"}
     groups = {role: group(role) for role in train_roles}
+    if own_teacher:
+        teacher_pool = _pool("teacher", config.placement.teacher_gpus, cluster, cluster.cpus_per_worker)
+        pools.append(teacher_pool)
+        groups["teacher"] = WorkerGroup(
+            MegatronWorker, teacher_pool, "teacher", num_gpus_per_worker=1.0, env=env, timeouts=timeouts, start=False
+        )
     if hybrid:
         rollout = EngineView(groups["actor"])
     else:
@@ -199,6 +213,7 @@ def start_roles(config: JobConfig, rl_optimizer_steps: int, resume: Any = None) 
         ref=groups.get("ref"),
         teacher=groups.get("teacher"),
         teacher_server=served_teacher(config),
+        teacher_on_own_gpus=own_teacher,
         reward_model=groups.get("reward_model"),
         pools=pools,
         colocated=colocated,

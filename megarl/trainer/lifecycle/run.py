@@ -306,7 +306,11 @@ def _say(line: str) -> None:
 def _describe_workers(roles) -> str:
     from megarl.workers.hybrid_worker import EngineView
 
-    groups = [f"{group.role} {group.world_size}" for group in roles.training_groups()]
+    sharing = roles.sharing_groups()
+    groups = [
+        f"{group.role} {group.world_size}" + ("" if group in sharing else " on GPUs of its own")
+        for group in roles.training_groups()
+    ]
     engines = roles.rollout.world_size
     where = "inside the actor's workers" if isinstance(roles.rollout, EngineView) else "in workers of their own"
     return f"{', '.join(groups)}; {engines} rollout engine{'s' * (engines != 1)} {where}"

@@ -61,7 +61,7 @@ PLOT_GROUPS = (
         (r"^reward/(num_|fraction_)", r"^reward/std$"),  # counters have a figure of their own; std is a band
     ),
     PlotGroup("reward_failures", "Reward failures", "samples", (r"^reward/(num_|fraction_)",), smooth=False),
-    PlotGroup("kl", "KL divergence", "KL", (r"^kl/", r"(^|/)([a-z]+_)*kl(_[a-z]+)*$"), (r"^mismatch/",)),
+    PlotGroup("kl", "KL divergence", "KL", (r"^kl/", r"(^|/)([a-z]+_)*kl(_[a-z]+)*$"), (r"^(mismatch|distill)/",)),
     PlotGroup("entropy", "Policy entropy", "entropy (nats / token)", (r"(^|/)[^/]*entropy[^/]*$",)),
     PlotGroup("response_length", "Response length", "tokens", (r"^(response|prompt)_length/(mean|min|max|std)$",)),
     PlotGroup(
@@ -71,6 +71,14 @@ PLOT_GROUPS = (
         (r"^mismatch/",),
         second_axis=(r"^mismatch/ratio",),
         second_ylabel="ratio (actor / rollout probability)",
+    ),
+    PlotGroup(
+        "distill",
+        "On-policy distillation: the student against its teacher",
+        "reverse KL (nats)",
+        (r"^distill/reverse_kl$", r"^distill/teacher_logprob$"),
+        second_axis=(r"^distill/teacher_logprob$",),
+        second_ylabel="teacher's log-prob of the student's tokens",
     ),
     PlotGroup("routing", "MoE routing: engine vs trainer", "fraction", (r"^rollout/routing_(agreement|replayed)",)),
     PlotGroup(
@@ -91,7 +99,7 @@ PLOT_GROUPS = (
 
 OVERVIEW_GROUPS = ("reward", "kl", "entropy", "response_length", "timing", "mismatch")
 """The overview's panels, in order; when some have no data, `OVERVIEW_FALLBACK_GROUPS` fill up to six panels."""
-OVERVIEW_FALLBACK_GROUPS = ("loss", "grad_norm", "throughput", "lr", "clipping")
+OVERVIEW_FALLBACK_GROUPS = ("distill", "loss", "grad_norm", "throughput", "lr", "clipping")
 
 
 def group_keys(group: PlotGroup, keys: Sequence[str]) -> list[str]:
