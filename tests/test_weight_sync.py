@@ -36,6 +36,28 @@ def ray_local():
     stop_ray()
 
 
+@pytest.fixture(scope="module")
+def built(ray_local, hf_checkpoint):
+    """build(), kept until another model is asked for (both pairs would not fit the 2 logical GPUs): the disk road's
+    test continues the EP=2 pair the object store's test synced (one more update, another version), instead of
+    loading both again."""
+    kept: dict[tuple, tuple] = {}
+
+    def release() -> None:
+        for pool, actor, rollout in kept.values():
+            rollout.shutdown(), actor.shutdown(), pool.remove()
+        kept.clear()
+
+    def get(name: str, parallel: ParallelConfig):
+        if (name, parallel) not in kept:
+            release()
+            kept[name, parallel] = build(hf_checkpoint(name), parallel)
+        return kept[name, parallel]
+
+    yield get
+    release()
+
+
 def build(folder, parallel: ParallelConfig):
     """A trainable actor on 2 logical GPUs and one hf engine sharing them (colocated), both from `folder`."""
     pool = ResourcePool("train", num_nodes=1, gpus_per_node=2)
@@ -117,46 +139,40 @@ def one_update(actor):
     [("tiny-qwen3", ParallelConfig(tp=2)), ("tiny-qwen3-moe", ParallelConfig(ep=2))],
     ids=["dense-tp2", "moe-ep2"],
 )
-def test_sync_gives_the_engine_the_actors_weights_and_outputs(ray_local, hf_checkpoint, name, parallel):
-    folder = hf_checkpoint(name)
-    pool, actor, rollout = build(folder, parallel)
-    try:
-        one_update(actor)  # the engine still has the checkpoint's weights; the actor moved
-        stats = sync(actor, rollout, version=1, delta="full")
-        assert stats["bytes"] == stats["full_bytes"]
-        assert stats["buckets"] > 1  # 64 KiB buckets: the stream really is cut
-        exported = {n: t for share in actor.call("export_weights", collect="all") for n, t in share}
-        in_engine = engine_tensors(rollout, list(exported))
-        assert all(torch.equal(exported[n], in_engine[n]) for n in exported)
-        assert rollout.call("health", collect="rank0")["weight_version"] == 1
-        before = check_engine_matches_actor(actor, rollout)
-        one_update(actor)
-        stats = sync(actor, rollout, version=2, delta="delta")  # only changed elements, checksums verified
-        assert stats["full_bytes"] == sum(t.nbytes for t in exported.values())
-        assert stats["bytes"] <= stats["full_bytes"] + 8 * stats["buckets"]  # tensors mostly changed travel whole
-        after = check_engine_matches_actor(actor, rollout)
-        now = {n: t for share in actor.call("export_weights", collect="all") for n, t in share}
-        moved = engine_tensors(rollout, list(exported))
-        assert all(torch.equal(now[n], moved[n]) for n in now)  # bit for bit after the delta
-        assert any(not torch.equal(exported[n], moved[n]) for n in exported)
-        assert after != before  # the update changed what the engine generates, and it still matches the actor
-    finally:
-        rollout.shutdown(), actor.shutdown(), pool.remove()
+def test_sync_gives_the_engine_the_actors_weights_and_outputs(built, name, parallel):
+    _, actor, rollout = built(name, parallel)
+    one_update(actor)  # the engine still has the checkpoint's weights; the actor moved
+    stats = sync(actor, rollout, version=1, delta="full")
+    assert stats["bytes"] == stats["full_bytes"]
+    assert stats["buckets"] > 1  # 64 KiB buckets: the stream really is cut
+    exported = {n: t for share in actor.call("export_weights", collect="all") for n, t in share}
+    in_engine = engine_tensors(rollout, list(exported))
+    assert all(torch.equal(exported[n], in_engine[n]) for n in exported)
+    assert rollout.call("health", collect="rank0")["weight_version"] == 1
+    before = check_engine_matches_actor(actor, rollout)
+    one_update(actor)
+    stats = sync(actor, rollout, version=2, delta="delta")  # only changed elements, checksums verified
+    assert stats["full_bytes"] == sum(t.nbytes for t in exported.values())
+    assert stats["bytes"] <= stats["full_bytes"] + 8 * stats["buckets"]  # tensors mostly changed travel whole
+    after = check_engine_matches_actor(actor, rollout)
+    now = {n: t for share in actor.call("export_weights", collect="all") for n, t in share}
+    moved = engine_tensors(rollout, list(exported))
+    assert all(torch.equal(now[n], moved[n]) for n in now)  # bit for bit after the delta
+    assert any(not torch.equal(exported[n], moved[n]) for n in exported)
+    assert after != before  # the update changed what the engine generates, and it still matches the actor
 
 
-def test_disk_road_gives_the_engine_every_senders_weights(ray_local, hf_checkpoint, tmp_path):
+def test_disk_road_gives_the_engine_every_senders_weights(built, tmp_path):
     """The road of engines across nodes: two expert-parallel senders write their buckets as files; the engine reads
     the folder and then holds exactly the actor's exported tensors and generates as the actor does."""
-    folder = hf_checkpoint("tiny-qwen3-moe")
-    pool, actor, rollout = build(folder, ParallelConfig(ep=2))
-    try:
-        one_update(actor)
-        stats = sync(actor, rollout, version=1, disk_dir=tmp_path)
-        files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
-        assert len(files) == stats["buckets"] and {f[:9] for f in files} == {"rank00000", "rank00001"}
-        exported = {n: t for share in actor.call("export_weights", collect="all") for n, t in share}
-        in_engine = engine_tensors(rollout, list(exported))
-        assert all(torch.equal(exported[n], in_engine[n]) for n in exported)
-        check_engine_matches_actor(actor, rollout)
-    finally:
-        rollout.shutdown(), actor.shutdown(), pool.remove()
+    _, actor, rollout = built("tiny-qwen3-moe", ParallelConfig(ep=2))
+    one_update(actor)
+    before = {n: t for share in actor.call("export_weights", collect="all") for n, t in share}
+    assert any(not torch.equal(before[n], t) for n, t in engine_tensors(rollout, list(before)).items())
+    stats = sync(actor, rollout, version=3, disk_dir=tmp_path)
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(files) == stats["buckets"] and {f[:9] for f in files} == {"rank00000", "rank00001"}
+    in_engine = engine_tensors(rollout, list(before))
+    assert all(torch.equal(before[n], in_engine[n]) for n in before)
+    assert rollout.call("health", collect="rank0")["weight_version"] == 3
+    check_engine_matches_actor(actor, rollout)
