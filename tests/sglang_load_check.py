@@ -37,7 +37,9 @@ OFFICIAL_DEEPSEEK_V3_KEYS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "sc
 define: the tiny checkpoints (saved from that class) lack them."""
 
 
-def build_sglang_model(model_dir: str, quantization: dict | None = None):
+def build_sglang_model(model_dir: str, quantization: dict | None = None, tp: int = 1, rank: int = 0):
+    """SGLang's model class for the checkpoint, on CPU; `tp` > 1: this process is rank `rank` of a gloo world of
+    `tp` processes (MASTER_ADDR / MASTER_PORT set alike in all)."""
     import torch
 
     from megarl.models.hf_config import load_hf_config
@@ -57,10 +59,14 @@ def build_sglang_model(model_dir: str, quantization: dict | None = None):
     # SGLang's GPU rotary embedding checks for a GPU (yarn RoPE), whose CPU path in turn requires a rope scaling
     rope_scaling = getattr(config, "rope_scaling", None) or {}
     device = "cpu" if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default" else "cuda"
-    server_args = ServerArgs(model_path=model_dir, device=device, dtype="float32")
-    parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    # Qwen3-Next's GDN layers: SGLang's default mamba cache snapshots need a GPU platform; its no_buffer strategy
+    # runs without the overlap schedule
+    hybrid = {"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True}
+    extra = hybrid if config.model_type == "qwen3_next" else {}
+    server_args = ServerArgs(model_path=model_dir, device=device, dtype="float32", tp_size=tp, **extra)
+    parallel_state.init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo")
     reset_context()
-    publish(server_args, role="test", ranks=SpawnRanks(world_rank=0))
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=rank))
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     parallel_state.initialize_model_parallel(backend="gloo")
     set_global_server_args_for_scheduler(server_args)
@@ -69,6 +75,10 @@ def build_sglang_model(model_dir: str, quantization: dict | None = None):
         for key, value in OFFICIAL_DEEPSEEK_V3_KEYS.items():
             if not hasattr(config, key):
                 setattr(config, key, value)
+    if config.model_type == "qwen3_next":  # SGLang's own config class: layer kinds from full_attention_interval
+        from sglang.srt.configs.qwen3_next import Qwen3NextConfig
+
+        config = Qwen3NextConfig.from_pretrained(model_dir)
     model_cls, _ = ModelRegistry.resolve_model_cls(config.architectures)
     torch.set_default_dtype(torch.float32)
     if quantization is None:

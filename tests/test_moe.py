@@ -43,7 +43,7 @@ def test_moe_logits_match_hf(ranks4, hf_reference, name, layout):
 
 
 @pytest.mark.parametrize("layout", [P(), P(tp=2, pp=2, ep=2, etp=1)], ids=layout_id)
-@pytest.mark.parametrize("name", [*MOE_ARCHITECTURES, "tiny-gpt-oss"])
+@pytest.mark.parametrize("name", [*MOE_ARCHITECTURES, "tiny-gpt-oss", "tiny-qwen3-next"])
 def test_routing_chooses_the_same_experts(ranks4, hf_reference, name, layout):
     folder, ids, _ = hf_reference(name, batch=4)
     expected = hf_routing(folder, ids)

@@ -39,6 +39,7 @@ def megatron_counts(name: str, parallel: P) -> tuple[int, int]:
 
 TINY = ["tiny-llama", "tiny-llama-bias", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe"]
 TINY += ["tiny-deepseek-v3", "tiny-deepseek-v3-lite", "tiny-glm4-moe", "tiny-gpt-oss"]
+TINY += ["tiny-qwen3-next"]  # Gated DeltaNet layers, gated attention, a gated shared expert
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -57,6 +58,7 @@ def test_whole_model_count_equals_megatron(ranks1, name):
         ("tiny-deepseek-v3", P(tp=2, pp=2, ep=2, etp=1)),
         ("tiny-deepseek-v3-lite", P(tp=2, vpp=2, pp=2)),
         ("tiny-gpt-oss", P(tp=2, pp=2, ep=2, etp=1)),  # sinks split by heads, expert biases
+        ("tiny-qwen3-next", P(tp=2, pp=2, ep=2, etp=1)),  # GDN projections split by key heads
     ],
     ids=lambda v: v if isinstance(v, str) else f"tp{v.tp}-pp{v.pp}-vpp{v.vpp}-ep{v.ep}-etp{v.etp}",
 )

@@ -38,7 +38,8 @@ def _gather_rows(results, name: str) -> torch.Tensor:
     # GLM-4.5: DeepSeek-V3's router behind grouped-query attention, at one layout
     + [pytest.param("tiny-glm4-moe", P(pp=2, ep=2), id="tiny-glm4-moe-tp1-pp2-ep2")]
     # gpt-oss: a router with a bias, softmax over the top-k logits
-    + [pytest.param("tiny-gpt-oss", P(pp=2, ep=2), id="tiny-gpt-oss-tp1-pp2-ep2")],
+    + [pytest.param("tiny-gpt-oss", P(pp=2, ep=2), id="tiny-gpt-oss-tp1-pp2-ep2")]
+    + [pytest.param("tiny-qwen3-next", P(tp=2, ep=2), id="tiny-qwen3-next-tp2-pp1-ep2")],  # shared expert, GDN
 )
 def test_replay_forces_the_given_experts_and_record_gives_the_hf_routing(ranks4, hf_checkpoint, name, layout):
     folder = hf_checkpoint(name)

@@ -10,12 +10,18 @@ from job_helpers import megarl_train, metrics, write_config
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "replayed", "model"),
-    [("old_logprob", 1.0, "tiny-qwen3-moe"), ("off", 0.0, "tiny-glm4-moe"), ("rollout", 1.0, "tiny-gpt-oss")],
+    [
+        ("old_logprob", 1.0, "tiny-qwen3-moe"),
+        ("off", 0.0, "tiny-glm4-moe"),
+        ("rollout", 1.0, "tiny-gpt-oss"),
+        ("rollout", 1.0, "tiny-qwen3-next"),
+    ],
 )
 def test_routing_replay_modes_log_agreement_and_replayed_fraction(tmp_path, mode, replayed, model):
     """routing_replay: rollout (the engine's experts) runs in tests/test_examples.py (configs/quickstart_moe.yaml,
-    the same checks) and in test_async_one_step_off_replays_the_routing_of_every_sample below. GLM-4.5's run is its
-    family's end-to-end training: transformers' engine and Megatron's actor route every token alike."""
+    the same checks) and in test_async_one_step_off_replays_the_routing_of_every_sample below. GLM-4.5's, gpt-oss's and
+    Qwen3-Next's runs are their families' end-to-end training: transformers' engine and Megatron's actor route every
+    token alike (Qwen3-Next: gated delta net layers in both, megarl's own PyTorch path in Megatron)."""
     extra = f"algorithm: {{routing_replay: {mode}}}"
     megarl_train(write_config(tmp_path, "[grpo]", 3, extra, model=model, ep=2))
     steps = metrics(tmp_path / "run")

@@ -224,6 +224,7 @@ def test_moe_update_gives_the_same_weights_with_expert_parallelism(ranks4, hf_ch
         ("tiny-qwen3", (1, 2, 2)),
         ("tiny-qwen3-moe", MOE_LAYOUTS[2]),
         ("tiny-deepseek-v3", ParallelConfig(ep=2)),  # MLA, YaRN, group-limited routing
+        ("tiny-qwen3-next", MOE_LAYOUTS[2]),  # Gated DeltaNet: no state crosses packed samples
     ],
     ids=lambda v: v if isinstance(v, str) else layout_id(v),
 )
@@ -253,6 +254,7 @@ def test_packed_logprobs_and_updates_equal_padded_ones(ranks4, hf_checkpoint, na
         ("tiny-qwen3", (1, 1, 1)),
         ("tiny-qwen3", (2, 1, 1)),
         ("tiny-qwen3-moe", (1, 1, 1)),
+        ("tiny-qwen3-next", (1, 1, 1)),  # the GDN reads the root's prompt tokens as its own
     ],
     ids=lambda v: v if isinstance(v, str) else layout_id(v),
 )

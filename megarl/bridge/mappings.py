@@ -226,3 +226,91 @@ class Transposed(Mapping):
 
     def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
         return None
+
+
+@dataclass(frozen=True)
+class Sections(Mapping):
+    """Megatron rows made of consecutive sections, each split across TP ranks on its own (Gated DeltaNet's conv1d:
+    q, k and v channels): TP rank r holds the r-th part of every section, in order. `sections`: the full row count
+    of each."""
+
+    sections: tuple[int, ...] = ()
+    tp_dim: int | None = 0
+
+    def shard(self, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+        parts = full.split(list(self.sections), dim=0)
+        return torch.cat([part.chunk(tp_size)[tp_rank] for part in parts])
+
+    def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        if len(shards) == 1:
+            return shards[0]
+        local = [size // len(shards) for size in self.sections]
+        pieces = [shard.split(local, dim=0) for shard in shards]
+        return torch.cat([piece[s] for s in range(len(local)) for piece in pieces])
+
+    def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
+        return None
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetInProj(Sections):
+    """Qwen3-Next's `linear_attn.in_proj_qkvz` and `in_proj_ba` <-> Megatron's Gated DeltaNet `in_proj`.
+
+    HF groups rows per key head g: [q_g, k_g, v_g, z_g] (v and z: the `num_v_heads / num_k_heads` value heads of
+    key head g) and [b_g, a_g]; Megatron puts each kind together: [q, k, v, z, b, a], heads in order. TP rank r holds
+    the r-th part of each kind (key heads r * nk / tp ..): the rows of whole key-head groups of both HF tensors."""
+
+    num_key_heads: int = 0
+    key_head_dim: int = 0
+    num_value_heads: int = 0
+    value_head_dim: int = 0
+
+    def _rows(self) -> tuple[list[int], list[int]]:
+        per_key = self.num_value_heads // self.num_key_heads
+        value_rows = per_key * self.value_head_dim
+        return [self.key_head_dim, self.key_head_dim, value_rows, value_rows], [per_key, per_key]
+
+    def hf_to_mcore(self, hf: Sequence[torch.Tensor], vocab: VocabInfo) -> torch.Tensor:
+        qkvz_rows, ba_rows = self._rows()
+        rest = hf[0].shape[1:]
+        kinds = []  # any number of whole key-head groups: all of them, or one TP rank's
+        for tensor, rows in ((hf[0], qkvz_rows), (hf[1], ba_rows)):
+            grouped = tensor.reshape(-1, sum(rows), *rest)
+            kinds += [part.reshape(-1, *rest) for part in grouped.split(rows, dim=1)]
+        return torch.cat(kinds)
+
+    def mcore_to_hf(self, full: torch.Tensor, vocab: VocabInfo) -> list[torch.Tensor]:
+        qkvz_rows, ba_rows = self._rows()
+        rest, nk = full.shape[1:], self.num_key_heads
+        kinds = full.split([nk * rows for rows in qkvz_rows + ba_rows])
+        qkvz = torch.cat([kind.reshape(nk, -1, *rest) for kind in kinds[:4]], dim=1).reshape(-1, *rest)
+        ba = torch.cat([kind.reshape(nk, -1, *rest) for kind in kinds[4:]], dim=1).reshape(-1, *rest)
+        return [qkvz, ba]
+
+    def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
+        if tp_size == 1 or self.num_key_heads % tp_size:
+            return None
+        return _even_slices(shapes, 0, tp_rank, tp_size)
+
+
+@dataclass(frozen=True)
+class GatedQKV(QKV):
+    """Gated attention (Qwen3-Next): HF `q_proj` holds each query head's rows followed by its output-gate rows
+    ([q_0, gate_0, q_1, gate_1, ...]); Megatron's `linear_qkv` with attention_output_gate lays out each query group
+    as [q heads, gate heads, k, v]. TP splits whole groups."""
+
+    def _group_rows(self) -> list[int]:
+        q_rows = self.num_heads // self.num_kv_heads * self.head_dim
+        return [q_rows, q_rows, self.head_dim, self.head_dim]
+
+    def hf_to_mcore(self, hf: Sequence[torch.Tensor], vocab: VocabInfo) -> torch.Tensor:
+        rest = hf[0].shape[1:]
+        heads = hf[0].reshape(-1, 2, self.head_dim, *rest)  # [query heads, (query, gate), head_dim, ...]
+        query, gate = heads[:, 0].reshape(-1, *rest), heads[:, 1].reshape(-1, *rest)
+        return super().hf_to_mcore([query, gate, hf[1], hf[2]], vocab)
+
+    def mcore_to_hf(self, full: torch.Tensor, vocab: VocabInfo) -> list[torch.Tensor]:
+        rest = full.shape[1:]
+        query, gate, key, value = super().mcore_to_hf(full, vocab)
+        heads = torch.stack([query.reshape(-1, self.head_dim, *rest), gate.reshape(-1, self.head_dim, *rest)], 1)
+        return [heads.reshape(-1, *rest), key, value]

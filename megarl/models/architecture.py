@@ -19,6 +19,12 @@ from megarl.errors import UserError
 from megarl.models.attention import check_mla_supported, gqa_config, gqa_mappings, mla_config, mla_mappings
 from megarl.models.heads import Head, head_mappings
 from megarl.models.hf_config import head_dim, rope_parameters
+from megarl.models.linear_attention import (
+    check_hybrid_supported,
+    check_sglang_layer_kinds,
+    hybrid_attention_mappings,
+    hybrid_config,
+)
 from megarl.models.moe import MoE
 from megarl.models.rope import attention_softmax_scale, rope_inv_freq
 from megarl.models.weight_table import HF_LAYER, MCORE_LAYER, swiglu_mappings
@@ -90,6 +96,10 @@ class Architecture:
     hf_attn_implementation: str | None = None
     """The transformers attention kernel the hf engine runs this family with, whatever rollout.hf.attn_implementation
     says (gpt-oss: 'eager', transformers' only CPU path for its sinks; it refuses 'sdpa'); None: the configured one."""
+    hybrid_linear_attention: bool = False
+    """Qwen3-Next: config.json `layer_types` interleaves Gated DeltaNet linear attention ('linear_attention',
+    megarl/models/gated_delta_net.py) with full attention whose q_proj also gives a sigmoid output gate; every RMSNorm
+    but the GDN's output norm is zero-centered (1 + w). megarl/models/linear_attention.py."""
     mla: bool = False
     """Multi-head Latent Attention (DeepSeek-V2/V3) instead of grouped-query attention."""
     moe: MoE | None = None
@@ -120,6 +130,8 @@ class Architecture:
         return bool(match) and int(match.group(1)) >= hf_config.num_hidden_layers
 
     def check_sglang_supported(self, hf_config, key: str = "model.path") -> None:
+        if self.hybrid_linear_attention:
+            check_sglang_layer_kinds(hf_config, key)
         for name, reason in self.sglang_unsupported.items():
             if getattr(hf_config, name, None):
                 raise UserError(
@@ -156,6 +168,8 @@ class Architecture:
             )
         if self.mla:
             check_mla_supported(hf_config)
+        if self.hybrid_linear_attention:
+            check_hybrid_supported(hf_config)
         self._check_variants(hf_config)
         if self.moe:
             self.moe.check_supported(hf_config)
@@ -225,6 +239,8 @@ class Architecture:
             **(self.moe.config_kwargs(hf_config) if self.moe else {}),
         )
         config_kwargs.update(self._variant_kwargs(hf_config))
+        if self.hybrid_linear_attention:
+            config_kwargs.update(hybrid_config(hf_config))
         gpt_kwargs = dict(
             max_sequence_length=hf_config.max_position_embeddings,
             position_embedding_type="rope",
@@ -254,6 +270,8 @@ class Architecture:
         feats = self.features(hf_config)
         if self.mla:
             attention = mla_mappings(hf_config)
+        elif self.hybrid_linear_attention:
+            attention = hybrid_attention_mappings(hf_config)
         else:
             attention = gqa_mappings(hf_config, feats.qkv_bias, feats.proj_bias, feats.qk_norm, self.attention_sinks)
         return [

@@ -27,6 +27,15 @@ def check_parallel_layout(arch: Architecture, hf_config, parallel: ParallelConfi
     tp_dims = {"num_attention_heads": hf_config.num_attention_heads}
     if not arch.mla:
         tp_dims["num_key_value_heads"] = num_kv_heads(hf_config)
+    if arch.hybrid_linear_attention:  # the Gated DeltaNet layers split whole key heads and their value heads
+        tp_dims["linear_num_key_heads"] = hf_config.linear_num_key_heads
+        tp_dims["linear_num_value_heads"] = hf_config.linear_num_value_heads
+        if parallel.cp > 1:
+            raise UserError(
+                f"{prefix}cp={parallel.cp} is not supported for {arch.name}: its Gated DeltaNet layers carry a "
+                "recurrent state along the whole sequence, which megarl (like Megatron-Core 0.16.1) does not split "
+                f"across context-parallel ranks; use {prefix}cp=1"
+            )
     if arch.moe is None or not all(arch.moe.sparse_layers(hf_config)):
         tp_dims["intermediate_size"] = hf_config.intermediate_size
     _check_divides(parallel.tp, f"{prefix}tp", tp_dims)

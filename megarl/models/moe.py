@@ -79,6 +79,14 @@ class MoE:
     """Which decoder layers are MoE layers (the others have a dense MLP)."""
     shared_experts_key: str | None = None
     """config.json key counting shared experts, which every token passes through (DeepSeek)."""
+    shared_expert_ffn_key: str | None = None
+    """config.json key holding the width of the one shared expert (Qwen3-Next: `shared_expert_intermediate_size`),
+    instead of a count of expert-wide ones."""
+    hf_shared_experts: str = "shared_experts"
+    """HF module of the shared expert(s) under `hf_block`: 'shared_experts', or 'shared_expert' (Qwen3-Next)."""
+    shared_expert_gate: bool = False
+    """A sigmoid gate scales the shared expert's output per token (Qwen3-Next `mlp.shared_expert_gate`, a
+    [1, hidden] linear): Megatron's moe_shared_expert_gate (`shared_experts.gate_weight`)."""
 
     def num_experts(self, hf_config) -> int:
         return int(getattr(hf_config, self.num_experts_key))
@@ -139,6 +147,9 @@ class MoE:
         if self.shared_experts_key and getattr(hf_config, self.shared_experts_key, 0):
             shared = int(getattr(hf_config, self.shared_experts_key))
             kwargs["moe_shared_expert_intermediate_size"] = shared * kwargs["moe_ffn_hidden_size"]
+        if self.shared_expert_ffn_key and getattr(hf_config, self.shared_expert_ffn_key, 0):
+            kwargs["moe_shared_expert_intermediate_size"] = int(getattr(hf_config, self.shared_expert_ffn_key))
+            kwargs["moe_shared_expert_gate"] = self.shared_expert_gate
         if self.score == "softmax":
             # HF: softmax over all experts, top-k, then (norm_topk_prob) renormalize over the k chosen, which is a
             # softmax over the top-k logits: Megatron's default. Without renormalization, softmax first.
@@ -177,8 +188,10 @@ class MoE:
                 table += stacked_expert_mappings(mcore, h + "experts.", param_suffix=suffix)
             else:
                 table += swiglu_mappings(mcore, h + "experts.{expert}.", self.hf_expert_names, bias, suffix)
-        if self.shared_experts_key:
+        if self.shared_experts_key or self.shared_expert_ffn_key:
             table += swiglu_mappings(
-                m + "shared_experts.", h + "shared_experts.", ("gate_proj", "up_proj", "down_proj"), bias
+                m + "shared_experts.", h + f"{self.hf_shared_experts}.", ("gate_proj", "up_proj", "down_proj"), bias
             )
+        if self.shared_expert_gate:
+            table.append(Direct(m + "shared_experts.gate_weight", (h + "shared_expert_gate.weight",)))
         return table

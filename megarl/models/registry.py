@@ -13,6 +13,11 @@ _MXFP4 = (
     "(transformers: from_pretrained with quantization_config=Mxfp4Config(dequantize=True), then save_pretrained)"
 )
 
+_GATED_BIAS = (
+    "the published checkpoints have no attention biases and megarl's gated q_proj mapping carries weights only; "
+    "valid: false"
+)
+
 DEEPSEEK_V3_MOE = MoE(
     num_experts_key="n_routed_experts",
     score="sigmoid",
@@ -81,6 +86,20 @@ ARCHITECTURES: dict[str, Architecture] = {
                 sparse_layers=every_layer,
             ),
             unsupported={"quantization_config": _MXFP4},
+        ),
+        Architecture(
+            "qwen3_next",
+            ("qwen3_next",),
+            qk_norm=True,
+            hybrid_linear_attention=True,
+            moe=MoE(
+                num_experts_key="num_experts",
+                sparse_layers=qwen_sparse_layers,
+                shared_expert_ffn_key="shared_expert_intermediate_size",
+                hf_shared_experts="shared_expert",
+                shared_expert_gate=True,
+            ),
+            unsupported={"attention_bias": _GATED_BIAS},
         ),
     ]
 }

@@ -48,6 +48,12 @@ def decoder_block_spec(config, backend: SpecBackend, vp_stage: int | None):
     )
     if not use_te:
         block.layer_specs = [_local_layer_spec(spec, config) for spec in block.layer_specs]
+    if config.experimental_attention_variant == "gated_delta_net":  # Qwen3-Next's hybrid layers
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        from megarl.models.linear_attention import hybrid_layer_specs
+
+        block = hybrid_layer_specs(block, config, use_te, get_transformer_layer_offset(config, vp_stage=vp_stage))
     return block
 
 

@@ -84,8 +84,9 @@ class ModelShape:
     """MLA sizes (q_lora_rank (0 = none), kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim), None for GQA."""
     ffn_hidden_size: int
     moe: dict[str, int] | None
-    """num_experts, topk, expert_ffn, shared_ffn (0 = none), expert_bias (0/1), stacked (0/1: the HF checkpoint stores
-    a layer's experts as tensors stacked over experts, gpt-oss); None for dense models."""
+    """num_experts, topk, expert_ffn, shared_ffn (0 = none), shared_gate (0/1: a sigmoid gate on the shared expert,
+    Qwen3-Next), expert_bias (0/1), stacked (0/1: the HF checkpoint stores a layer's experts as tensors stacked over
+    experts, gpt-oss); None for dense models."""
     sparse_layers: tuple[bool, ...]
     qk_norm: bool
     hf_extra_numel: int = 0
@@ -157,27 +158,37 @@ def model_shape(hf_config, spec_backend: str = "te") -> ModelShape:
         qk_dim = v_dim = head_dim(hf_config)
         kv_heads = num_kv_heads(hf_config)
         attention = _gqa_params(h, hf_config.num_attention_heads, kv_heads, qk_dim, feats, bias_linear)
+        if arch.hybrid_linear_attention:  # the gate rows of q_proj: one more set of query heads
+            attention[1] = ParamSpec(
+                "linear_qkv", (2 * hf_config.num_attention_heads + 2 * kv_heads) * qk_dim * h, "tp"
+            )
         if arch.attention_sinks:  # one logit per head (gpt-oss)
             attention.append(ParamSpec("core_attention.softmax_offset", hf_config.num_attention_heads, "tp"))
     moe = None
     if arch.moe:
         expert_ffn = int(getattr(hf_config, arch.moe.expert_ffn_key))
         shared = int(getattr(hf_config, arch.moe.shared_experts_key, 0) or 0) if arch.moe.shared_experts_key else 0
+        shared_ffn = shared * expert_ffn
+        if arch.moe.shared_expert_ffn_key:  # one shared expert of its own width (Qwen3-Next)
+            shared_ffn = int(getattr(hf_config, arch.moe.shared_expert_ffn_key, 0) or 0)
         moe = dict(
             num_experts=arch.moe.num_experts(hf_config),
             topk=int(hf_config.num_experts_per_tok),
             expert_ffn=expert_ffn,
-            shared_ffn=shared * expert_ffn,
+            shared_ffn=shared_ffn,
+            shared_gate=int(arch.moe.shared_expert_gate and shared_ffn > 0),
             # sigmoid routing keeps a per-expert selection bias: a Megatron buffer, a HF tensor
             expert_bias=int(arch.moe.score == "sigmoid"),
             stacked=int(arch.moe.stacked_experts),
         )
+    linear = [t == "linear_attention" for t in hf_config.layer_types] if arch.hybrid_linear_attention else []
     layers = []
-    for is_sparse in sparse:
+    for index, is_sparse in enumerate(sparse):
         mlp = (
             _moe_params(h, moe, bias_linear) if is_sparse else _mlp_params(h, hf_config.intermediate_size, bias_linear)
         )
-        layers.append((*attention, ParamSpec("pre_mlp_layernorm", h, "replicated"), *mlp))
+        mixer = _gated_delta_net_params(hf_config) if linear and linear[index] else attention
+        layers.append((*mixer, ParamSpec("pre_mlp_layernorm", h, "replicated"), *mlp))
     mtp = int(getattr(hf_config, arch.mtp_layers_key, 0) or 0) if arch.mtp_layers_key else 0
     notes = ()
     extra = 0
@@ -238,6 +249,22 @@ def _gqa_params(h: int, heads: int, kv_heads: int, dim: int, feats, bias_linear:
     return specs
 
 
+def _gated_delta_net_params(hf_config) -> list[ParamSpec]:
+    """A Gated DeltaNet token mixer (Qwen3-Next's linear_attention layers, megarl/models/gated_delta_net.py)."""
+    h, kernel = hf_config.hidden_size, hf_config.linear_conv_kernel_dim
+    qk = hf_config.linear_num_key_heads * hf_config.linear_key_head_dim
+    v_heads, v_dim = hf_config.linear_num_value_heads, hf_config.linear_value_head_dim
+    return [
+        ParamSpec("input_layernorm", h, "replicated"),
+        ParamSpec("in_proj", (2 * qk + 2 * v_heads * v_dim + 2 * v_heads) * h, "tp"),  # q, k, v, z, b, a
+        ParamSpec("conv1d", (2 * qk + v_heads * v_dim) * kernel, "tp"),
+        ParamSpec("A_log", v_heads, "tp"),
+        ParamSpec("dt_bias", v_heads, "tp"),
+        ParamSpec("out_norm", v_dim, "replicated"),
+        ParamSpec("out_proj", v_heads * v_dim * h, "tp"),
+    ]
+
+
 def _mla_params(h: int, heads: int, mla: dict[str, int], v_dim: int, spec_backend: str) -> list[ParamSpec]:
     down: Split = "tp" if spec_backend == "local" else "replicated"
     nope, rope, q_lora, kv_lora = (
@@ -283,6 +310,8 @@ def _moe_params(h: int, moe: dict[str, int], bias: bool) -> list[ParamSpec]:
     specs.append(ParamSpec("experts", per_expert, "expert", count=experts))
     if moe["shared_ffn"]:
         specs += _mlp_params(h, moe["shared_ffn"], bias, prefix="shared_experts")
+    if moe.get("shared_gate"):
+        specs.append(ParamSpec("shared_experts.gate_weight", h, "replicated"))
     return specs
 
 

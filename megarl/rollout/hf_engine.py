@@ -277,7 +277,9 @@ class HFEngine(RolloutEngine):
                 rollout.routing.append(routed_UL[u, length - len(rollout.context) :])
         rows_B = torch.tensor(row_of_rollout, device=device)
         if len(contexts) != len(rollouts):
-            cache.batch_select_indices(rows_B)
+            # reorder_cache selects rows like batch_select_indices, and every cache layer has it (the linear-
+            # attention layers of hybrid models such as Qwen3-Next have no batch_select_indices)
+            cache.reorder_cache(rows_B)
         return cache, logits_UV[rows_B], attention_mask_UL[rows_B], position_ids_UL[rows_B, -1] + 1
 
     def _decode_round(self, rollouts: list[_Rollout], sampling: SamplingParams) -> None:
@@ -295,7 +297,7 @@ class HFEngine(RolloutEngine):
                 return  # unfinished rollouts read as aborted
             if len(keep) < len(active):  # finished rows leave the batch
                 keep_B = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(keep_B)
+                cache.reorder_cache(keep_B)
                 attention_mask_BL, next_position_B, tokens_B = (
                     attention_mask_BL[keep_B],
                     next_position_B[keep_B],
