@@ -44,6 +44,7 @@ for flag in ("--model-path", "--host", "--port", "--base-gpu-id", "--tp-size", "
     parser.add_argument(flag, required=True)
 parser.add_argument("--load-format")
 parser.add_argument("--skip-server-warmup", action="store_true")
+parser.add_argument("--custom-weight-loader", nargs="*")
 args = parser.parse_args()
 print("argv", json.dumps(sys.argv[1:]), flush=True)
 for name in ("SGLANG_RETURN_ORIGINAL_LOGPROB", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"):

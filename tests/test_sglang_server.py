@@ -44,6 +44,7 @@ def test_default_config_argv():
         "--tp-size", "1",
         "--dtype", "auto",
         "--skip-server-warmup",
+        "--custom-weight-loader", "megarl.rollout.sglang_delta.load_delta_bucket",  # on every server
     ]  # fmt: skip
 
 
@@ -83,6 +84,7 @@ def test_full_config_argv():
         "--enable-deterministic-inference",
         "--enable-memory-saver",
         "--skip-server-warmup",
+        "--custom-weight-loader", "megarl.rollout.sglang_delta.load_delta_bucket",
         "--chunked-prefill-size", "8192",
         "--disable-radix-cache",
         "--attention-backend", "triton",
@@ -94,7 +96,8 @@ def test_tp_only_config_leaves_sglang_defaults():
     config = SGLangEngineConfig(tp=4, skip_server_warmup=False)
     args = build_server_args(config, "m", host="::1", port=1)
     assert args == ["--model-path", "m", "--host", "::1", "--port", "1", "--base-gpu-id", "0", "--tp-size", "4",
-                    "--dtype", "auto"]  # fmt: skip
+                    "--dtype", "auto",
+                    "--custom-weight-loader", "megarl.rollout.sglang_delta.load_delta_bucket"]  # fmt: skip
 
 
 def test_command_runs_sglang_launch_server_with_this_python():

@@ -33,6 +33,7 @@ from megarl.rollout.sglang_weights import (
     SGLangWeightSender,
     flatten_bucket,
     pickle_serializer,
+    send_flattened_bucket,
     sglang_serializer,
     unflatten,
 )
@@ -112,6 +113,69 @@ def test_sglang_serializer_needs_gpu_tensors():
     part = flatten_bucket([("w", torch.ones(2))])
     with pytest.raises(SGLangError, match="must be on a GPU; got cpu"):
         sglang_serializer(part)
+
+
+# ---- delta buckets (megarl/rollout/sglang_delta.py) ------------------------------------------------------------------
+
+
+class RecordingClient:
+    """SGLangClient's update_weights_from_tensor, recorded; `refuse_verdict`: the loader's verdict, answered to the
+    request after the delta as SGLang answers a refused update (success false: SGLangClient raises)."""
+
+    def __init__(self, refuse_verdict: str | None = None) -> None:
+        self.calls: list[tuple[list[str], str]] = []
+        self.refuse_verdict = refuse_verdict
+
+    def update_weights_from_tensor(self, payloads, *, load_format, flush_cache=False):
+        self.calls.append((payloads, load_format))
+        if self.refuse_verdict is not None and len(self.calls) == 2:
+            url = "http://engine:1/update_weights_from_tensor"
+            raise SGLangError(f"SGLang POST {url} failed: {self.refuse_verdict}", url=url)
+
+
+def _delta_bucket():
+    from megarl.workers.weight_delta import DeltaEncoder, delta_to_bucket
+
+    encoder, base = DeltaEncoder(), mixed_bucket(4)
+    encoder.encode(base)
+    new = [(name, t.clone(memory_format=torch.contiguous_format)) for name, t in base]
+    new[1][1].view(-1)[5] += 1  # a delta for q_proj; the other tensors: empty deltas
+    return delta_to_bucket(encoder.encode(new))
+
+
+def test_delta_bucket_goes_to_the_delta_loader_then_asks_for_its_verdict():
+    from megarl.rollout.config import DELTA_LOADER
+    from megarl.rollout.sglang_delta import unpack
+
+    bucket = _delta_bucket()
+    client = RecordingClient()
+    send_flattened_bucket(client, bucket, num_ranks=2, serializer=pickle_serializer)
+    assert [load_format for _, load_format in client.calls] == [DELTA_LOADER, DELTA_LOADER]
+    sent, verdict = client.calls[0][0], client.calls[1][0]
+    assert len(sent) == 2 and [pickle.loads(base64.b64decode(p)) for p in verdict] == [[], []]
+    for payload in sent:  # each rank: one named tensor, the records in its name
+        named = pickle.loads(base64.b64decode(payload))
+        assert len(named) == 1 and named[0][0].startswith("megarl.delta:")
+        received = dict(unpack(named))
+        assert sorted(received) == sorted(name for name, _ in bucket)
+        for name, tensor in bucket:
+            assert_same(received[name], tensor, name)
+    plain = RecordingClient()
+    send_flattened_bucket(plain, mixed_bucket(4), num_ranks=2, serializer=pickle_serializer)
+    assert [load_format for _, load_format in plain.calls] == ["flattened_bucket"]  # whole tensors: as before
+
+
+def test_a_refused_delta_raises_delta_mismatch():
+    from megarl.workers.weight_delta import DeltaMismatch
+
+    verdict = "megarl delta weight sync: model.layers.0.self_attn.q_proj.weight: the engine's elements after the delta"
+    client = RecordingClient(refuse_verdict=verdict)
+    with pytest.raises(DeltaMismatch, match="failed: megarl delta weight sync: model.layers.0.self_attn.q_proj.weight"):
+        send_flattened_bucket(client, _delta_bucket(), num_ranks=1, serializer=pickle_serializer)
+    other = RecordingClient(refuse_verdict="update_weights_from_tensor must run between begin_weight_update() and")
+    with pytest.raises(SGLangError, match="must run between") as caught:
+        send_flattened_bucket(other, _delta_bucket(), num_ranks=1, serializer=pickle_serializer)
+    assert not isinstance(caught.value, DeltaMismatch)
 
 
 def test_flatten_to_device_and_empty_bucket():

@@ -59,8 +59,8 @@ def test_a_tensor_mostly_changed_travels_whole():
 
 def test_a_sign_of_zero_counts_as_a_change():
     encoder = DeltaEncoder()
-    encoder.encode([("z", torch.zeros(4))])
-    delta = encoder.encode([("z", torch.tensor([0.0, -0.0, 0.0, 0.0]))])
+    encoder.encode([("z", torch.zeros(16))])  # large enough that a delta (+ its hash record) is smaller
+    delta = encoder.encode([("z", torch.tensor([0.0, -0.0] + [0.0] * 14))])
     assert delta.entries[0].indices.tolist() == [1]  # integer view: -0.0 != 0.0 bitwise
 
 
@@ -122,6 +122,7 @@ def test_the_switch_is_checked_when_the_config_is_built():
 
     with pytest.raises(UserError, match=r"^rollout.weight_sync_delta='sometimes': valid are auto, on, off$"):
         RolloutConfig(weight_sync_delta="sometimes").check("rollout")
-    with pytest.raises(UserError, match=r"^rollout.weight_sync_delta=on is applied by the hf engine; rollout.backend="):
-        RolloutConfig(weight_sync_delta="on", backend="sglang").check("rollout")
+    # SGLang takes deltas on the colocated road only (tests/test_sglang_delta.py has every combination)
+    with pytest.raises(UserError, match=r"^rollout.weight_sync_delta=on with rollout.weight_sync=nccl: "):
+        RolloutConfig(weight_sync_delta="on", backend="sglang", weight_sync="nccl").check("rollout")
     assert RolloutConfig().sync_delta("object_store") and not RolloutConfig().sync_delta("in_process")

@@ -31,8 +31,16 @@ MANAGED_ARGS = {
     "nnodes": "the engine's nodes",
     "node_rank": "the engine's nodes",
     "dist_init_addr": "the engine's nodes",
+    "custom_weight_loader": "megarl's delta loader (rollout.weight_sync_delta)",
 }
 """ServerArgs names the engine sets from its own settings (SGLang's name -> the setting that controls it)."""
+DELTA_LOADER = "megarl.rollout.sglang_delta.load_delta_bucket"
+"""SGLang's --custom-weight-loader for delta buckets (megarl/rollout/sglang_delta.py): the load_format they are
+posted with."""
+UNKNOWN_FAMILY = "the model's family is not known here"
+SGLANG_DELTA_ROADS = ("ipc", "object_store")
+"""rollout.weight_sync roads on which SGLang engines take delta buckets (update_weights_from_tensor, the only road
+that calls --custom-weight-loader)."""
 
 
 @dataclass
@@ -258,11 +266,21 @@ class RolloutConfig:
     actor layout: the sending ranks take turns), object_store otherwise, and disk for engines across nodes that no
     broadcast reaches."""
     weight_sync_delta: Literal["auto", "on", "off"] = "auto"
-    """Delta sync (megarl/workers/weight_delta.py): after a full sync, each sending rank sends only the elements
-    whose bytes changed (indices + values) with a checksum per bucket that the engine verifies; a mismatch fails
-    the sync, quarantines the engines and the next sync is full, as after any engine restart, resume or layout
-    change. `on`: every sync after the first (hf engine: applied in place); `off`: whole tensors; `auto`: on for
-    the hf engine, off for SGLang (whose delta loader, --custom-weight-loader, is not wired into the sync yet)."""
+    """Delta sync (megarl/workers/weight_delta.py): after a full sync, each sending rank sends only the elements whose
+    bytes changed (indices + values) with a checksum per bucket and a hash per tensor that the engine verifies; a
+    mismatch fails the sync, quarantines the engines and the next sync is full, as after any engine restart, resume
+    or layout change. `on`: every sync after the first; `off`: whole tensors; `auto`: on where the engine can apply
+    deltas and bytes travel: the hf engine (in place; not the hybrid engine's in-process copy), and SGLang on the
+    object_store road (update_weights_from_tensor into megarl's --custom-weight-loader,
+    megarl/rollout/sglang_delta.py) for models whose loaders only copy. On the ipc road a CUDA IPC handle is all
+    that travels, while applying a delta maps every element through SGLang's loaders (on CPU 3-5 s against 0.1-0.2 s
+    for a full load of 26 M parameters; not measured on a GPU): `auto` keeps whole tensors there, `on` sends deltas.
+    Off for SGLang on the nccl, disk and relayed roads (SGLang calls custom loaders only from
+    update_weights_from_tensor), with FP8 rollout weights (the loaders quantize), for MLA models (DeepSeek-V3
+    family: the loaders post-process kv_b_proj into w_kc/w_vc) and where the model's family is not known. `on` is
+    refused where a reason above is known (at the config check for the roads and fp8, when the run sets up its sync
+    for the model), and trusted where the family is not known (the engine's loader still refuses MLA and FP8
+    models)."""
     weights_format: Literal["auto", "bf16", "fp8"] = "auto"
     """The weights the engines serve: `fp8` (block-wise 128x128 e4m3 with weight_scale_inv, as DeepSeek-V3/R1
     publish theirs; the sending ranks quantize at every sync, training stays bf16; SGLang only), `bf16` (the training
@@ -284,9 +302,42 @@ class RolloutConfig:
     failure (engine, step, cause). 0: any engine failure restarts every role from the last checkpoint
     (run.max_restarts), as it always does for hybrid engines, colocated placement and asynchronous RL."""
 
-    def sync_delta(self, transport: str) -> bool:
-        """Whether syncs after the first send deltas (weight_sync_delta resolved for the road `transport`)."""
-        return self.weight_sync_delta != "off" and self.backend == "hf" and transport != "in_process"
+    def delta_refusal(self, transport: str, quantization: dict | None = None, mla: bool | None = None) -> str | None:
+        """Why the engines cannot take deltas on the road `transport` (None: they can). `quantization`: the
+        rollout weights' format resolved (weights_format.py); `mla`: the model's attention is MLA (None: not known)."""
+        if self.backend == "hf":
+            return "the hybrid engine copies whole tensors in process" if transport == "in_process" else None
+        if transport not in SGLANG_DELTA_ROADS:
+            return (
+                f"weight_sync={transport}: SGLang calls megarl's delta loader only from update_weights_from_tensor "
+                f"(the colocated roads {', '.join(SGLANG_DELTA_ROADS)}); its broadcast, disk and relayed roads load "
+                "whole tensors"
+            )
+        if quantization is not None or self.weights_format == "fp8":
+            return "FP8 rollout weights: SGLang's loaders quantize what they load"
+        if mla:
+            return "an MLA model (DeepSeek-V3 family): SGLang's loaders post-process kv_b_proj into w_kc/w_vc"
+        if mla is None:
+            return UNKNOWN_FAMILY
+        return None
+
+    def sync_delta(self, transport: str, quantization: dict | None = None, mla: bool | None = None) -> bool:
+        """Whether syncs after the first send deltas (weight_sync_delta resolved for the road `transport`, the
+        rollout weights' `quantization` and whether the model is `mla`; delta_refusal). `on` where the engines
+        cannot take deltas raises UserError; `on` with SGLang and the family not known trusts the setting (the
+        engine's loader still refuses MLA and FP8 models, and the sync then fails naming the reason)."""
+        if self.weight_sync_delta == "off":
+            return False
+        if self.weight_sync_delta == "auto" and self.backend == "sglang" and transport == "ipc":
+            return False  # nothing travels to save: a CUDA IPC handle is the whole payload (see the docstring)
+        reason = self.delta_refusal(transport, quantization, mla)
+        if reason is None:
+            return True
+        if self.weight_sync_delta == "on" and self.backend == "sglang":
+            if reason == UNKNOWN_FAMILY:
+                return True  # as set: the engine's loader still refuses MLA and FP8 models (the sync fails)
+            raise UserError(f"rollout.weight_sync_delta=on: {reason}; use auto or off")
+        return False
 
     def check(self, key: str) -> None:
         if self.gpus_per_engine < 1:
@@ -307,11 +358,17 @@ class RolloutConfig:
             )
         if self.weight_sync_delta not in ("auto", "on", "off"):
             raise UserError(f"{key}.weight_sync_delta={self.weight_sync_delta!r}: valid are auto, on, off")
-        if self.weight_sync_delta == "on" and self.backend != "hf":
-            raise UserError(
-                f"{key}.weight_sync_delta=on is applied by the hf engine; {key}.backend={self.backend!r}: use auto or "
-                "off"
-            )
+        if self.weight_sync_delta == "on" and self.backend == "sglang":
+            if self.weight_sync in ("nccl", "disk"):
+                raise UserError(
+                    f"{key}.weight_sync_delta=on with {key}.weight_sync={self.weight_sync}: SGLang applies deltas only "
+                    f"on the colocated tensor road ({key}.weight_sync ipc, object_store or auto); use auto or off"
+                )
+            if self.weights_format == "fp8":
+                raise UserError(
+                    f"{key}.weight_sync_delta=on with {key}.weights_format=fp8: SGLang's loaders quantize what they "
+                    "load, so a delta cannot be applied to FP8 weights; use auto or off"
+                )
         if self.routed_experts not in ("auto", "off"):
             raise UserError(f"{key}.routed_experts={self.routed_experts!r}: valid are auto, off")
         if isinstance(self.max_engine_restarts, bool) or self.max_engine_restarts < 0:

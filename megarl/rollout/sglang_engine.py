@@ -38,7 +38,9 @@ pause_mode), open SGLang's weight-update session (/begin_weight_update, absent o
 (from this process by update_weights_from_tensor, or sent by the trainer's ranks directly: workers/weight_sync.py),
 close the session, set the version, flush the radix cache (always), continue generation. A server started on dummy
 weights, or left with a partial update (a refused bucket, a sync abandoned by the trainer), refuses to generate
-until an update completes; `verify_weights` compares SGLang's own checksums with the tensors sent.
+until an update completes; `verify_weights` compares SGLang's own checksums with the tensors sent. A delta bucket
+(rollout.weight_sync_delta) goes to megarl's delta loader on the server (megarl/rollout/sglang_delta.py, given to
+every server as --custom-weight-loader); one the engine refuses fails the update like any refused bucket.
 
 **Routed experts** (MoE models, `record_routing`): the server runs with --enable-return-routed-experts, each
 /generate body asks for `return_routed_experts`, and each item's `meta_info["routed_experts"]` (base64 int32 rows

@@ -55,6 +55,20 @@ def rollout_model_dir(model_path: str | Path) -> str:
     return str(hf_config_dir(model_path))
 
 
+def model_is_mla(model_path: str | Path) -> bool | None:
+    """Whether the rollout model's attention is MLA (DeepSeek-V3 family), for rollout.weight_sync_delta's resolution
+    (RolloutConfig.sync_delta: SGLang's loaders post-process MLA weights, so deltas stay off); None where the
+    model's config.json cannot be read here or its family is not one megarl knows."""
+    from megarl.errors import UserError
+    from megarl.models.hf_config import read_config_json
+    from megarl.models.registry import get_architecture
+
+    try:
+        return get_architecture(read_config_json(rollout_model_dir(model_path)).get("model_type")).mla
+    except UserError:
+        return None
+
+
 def engine_launches(
     rollout: RolloutConfig,
     model_path: str | Path,

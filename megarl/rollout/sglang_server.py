@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megarl.rollout.config import MANAGED_ARGS, SGLangEngineConfig
+from megarl.rollout.config import DELTA_LOADER, MANAGED_ARGS, SGLangEngineConfig
 from megarl.rollout.sglang_client import SGLangClient, SGLangError
 
 __all__ = [
@@ -134,6 +134,9 @@ def build_server_args(
         "--enable-return-routed-experts": return_routed_experts,
     }
     args += [flag for flag, on in switches.items() if on]
+    # megarl's delta loader (rollout.weight_sync_delta; imported by SGLang only when a delta bucket arrives): named
+    # on every server, so an engine can take deltas whichever road a sync takes
+    args += ["--custom-weight-loader", DELTA_LOADER]
     overrides = json.loads(config.extra_args.get("json_model_override_args") or "{}")
     if quantization is not None:
         overrides["quantization_config"] = quantization

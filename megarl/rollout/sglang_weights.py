@@ -16,6 +16,13 @@ own functions and classes, so megarl does not forge it: `sglang_serializer` impo
 time. It only runs where CUDA IPC can work at all, a GPU process on the server's node, where SGLang is installed.
 Any callable `(FlatBucket) -> str` can stand in (the CPU tests pass a pickle stand-in to a fake server).
 
+**Delta buckets** (rollout.weight_sync_delta, megarl/workers/weight_delta.py): a bucket carrying a delta goes the
+same colocated way, but to megarl's own loader (load_format `sglang_delta.DELTA_LOADER`, SGLang's
+--custom-weight-loader hook): each payload is one named tensor, the flat bytes, its name holding the records
+(sglang_delta.payload_name). Right after it an empty update asks for the loader's verdict: a delta the engine could
+not apply or verify is refused there, and raises DeltaMismatch (megarl/rollout/sglang_delta.py says why it takes a
+second request).
+
 **Split (`init_weights_update_group` + `update_weights_from_distributed`).** The sender is rank 0 of a process group
 that every GPU of every engine joins as `rank_offset + tp_rank`; it is created exactly as SGLang creates its side
 (`init_custom_process_group`, srt/utils/common.py): TCP rendezvous at the master address, a PrefixStore named after
@@ -81,6 +88,8 @@ class FlatBucket:
 
     flat: torch.Tensor
     entries: list[FlatEntry]
+    load_format: str = "flattened_bucket"
+    """How SGLang loads it: "flattened_bucket", or megarl's delta loader (sglang_delta.DELTA_LOADER)."""
 
     @property
     def nbytes(self) -> int:
@@ -131,14 +140,25 @@ def unflatten(part: FlatBucket) -> Bucket:
 Serializer = Callable[[FlatBucket], str]
 
 
+def named_payload(part: FlatBucket) -> list[tuple[str, torch.Tensor]]:
+    """A bucket for a custom loader (SGLang hands it named tensors): the flat bytes under a name that carries the
+    records; no entries: an empty list (the delta loader's verdict request)."""
+    from megarl.rollout.sglang_delta import payload_name
+
+    if not part.entries:
+        return []
+    return [(payload_name([(e.name, e.shape, e.dtype, e.start, e.end) for e in part.entries]), part.flat)]
+
+
 def sglang_serializer(part: FlatBucket) -> str:
     """The payload SGLang's update_weights_from_tensor decodes for load_format "flattened_bucket": its
     MultiprocessingSerializer over {"flattened_tensor", "metadata": [FlattenedTensorMetadata]}, base64-encoded.
 
     Imports SGLang here, at call time, and patches torch's tensor reductions the way SGLang's receiver expects
-    (CUDA IPC handles carry GPU UUIDs, so sender and server may number their visible GPUs differently).
+    (CUDA IPC handles carry GPU UUIDs, so sender and server may number their visible GPUs differently). A bucket
+    for a custom loader (`part.load_format`) is serialized as its `named_payload`.
     """
-    if not part.flat.is_cuda:
+    if part.entries and not part.flat.is_cuda:
         raise SGLangError(
             f"the colocated weight sync sends CUDA IPC handles, so the flattened tensors must be on a GPU; got "
             f"{part.flat.device} (give SGLangEngine an ipc_device)"
@@ -153,6 +173,8 @@ def sglang_serializer(part: FlatBucket) -> str:
             f"({e}); install sglang in the rollout worker's environment"
         ) from e
     monkey_patch_torch_reductions()
+    if part.load_format != "flattened_bucket":
+        return MultiprocessingSerializer.serialize(named_payload(part), output_str=True)
     metadata = [
         FlattenedTensorMetadata(
             name=e.name, shape=torch.Size(e.shape), dtype=e.dtype, start_idx=e.start, end_idx=e.end, numel=e.nbytes
@@ -164,7 +186,10 @@ def sglang_serializer(part: FlatBucket) -> str:
 
 def pickle_serializer(part: FlatBucket) -> str:
     """A stand-in for tests and CPU fakes: the same dict, plain pickle of a CPU copy, metadata as SimpleNamespace
-    records with SGLang's field names."""
+    records with SGLang's field names; a custom loader's bucket as its `named_payload`."""
+    if part.load_format != "flattened_bucket":
+        named = [(name, flat.detach().cpu()) for name, flat in named_payload(part)]
+        return base64.b64encode(pickle.dumps(named)).decode()
     metadata = [
         types.SimpleNamespace(
             name=e.name, shape=torch.Size(e.shape), dtype=e.dtype, start_idx=e.start, end_idx=e.end, numel=e.nbytes
@@ -194,22 +219,49 @@ def send_flattened_bucket(
     GPUs read it across devices, opening a CUDA context on that GPU each); with them, rank r's payload points at a
     copy on `rank_devices[r]`, the GPU that rank runs on, so every rank loads from its own GPU. The flattened tensors
     stay referenced until the server has answered, i.e. has copied them into its weights.
+
+    A delta bucket (weight_delta.delta_to_bucket) goes to megarl's delta loader, then an empty request asks for its
+    verdict: DeltaMismatch when the engine refused it (module docstring).
     """
+    from megarl.rollout.sglang_delta import DELTA_LOADER
+    from megarl.workers.weight_delta import is_delta_bucket
+
     if rank_devices is not None and len(rank_devices) != num_ranks:
         raise ValueError(f"rank_devices={list(rank_devices)} must name one device per rank ({num_ranks})")
     first_device = device if rank_devices is None else rank_devices[0]
     part = flatten_bucket(bucket, first_device)
     if part is None:
         return
+    if is_delta_bucket(part.names):
+        part.load_format = DELTA_LOADER
     if rank_devices is None:
         copies = [part] * num_ranks
     else:  # from the first GPU on: device-to-device copies, no second trip over the host link
-        copies = [FlatBucket(part.flat.to(rank_device), part.entries) for rank_device in rank_devices]
+        copies = [FlatBucket(part.flat.to(rank_device), part.entries, part.load_format) for rank_device in rank_devices]
     payloads = [serializer(copy) for copy in copies]
-    client.update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=False)
+    with _delta_refusals():
+        client.update_weights_from_tensor(payloads, load_format=part.load_format, flush_cache=False)
+        if part.load_format == DELTA_LOADER:  # the verdict: refused here when the loader could not apply it
+            verdict = serializer(FlatBucket(part.flat[:0], [], DELTA_LOADER))
+            client.update_weights_from_tensor([verdict] * num_ranks, load_format=DELTA_LOADER, flush_cache=False)
     del payloads, copies, part
     if torch.cuda.is_available():
         torch.cuda.ipc_collect()  # release IPC blocks the server has let go of
+
+
+@contextlib.contextmanager
+def _delta_refusals():
+    """An update refused with the delta loader's verdict raises DeltaMismatch (the sync fails, the engines are
+    quarantined, the next sync is full); other errors pass unchanged."""
+    from megarl.rollout.sglang_delta import VERDICT_PREFIX
+    from megarl.workers.weight_delta import DeltaMismatch
+
+    try:
+        yield
+    except SGLangError as err:
+        if VERDICT_PREFIX in str(err):
+            raise DeltaMismatch(str(err)) from err
+        raise
 
 
 # ---- split placement: a process group shared with the servers --------------------------------------------------------

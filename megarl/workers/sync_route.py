@@ -34,7 +34,9 @@ class SyncRoute:
     """The disk transport: the folder (shared by every node) this sync's files go to."""
     delta: str = "off"
     """rollout.weight_sync_delta for this sync: off (whole tensors), full (whole, and the senders start a new
-    snapshot) or delta (changed elements against the snapshot)."""
+    snapshot) or delta (changed elements against the snapshot). Resolved by RolloutConfig.sync_delta: delta reaches
+    the hf engine on any road but in_process, SGLang engines only on ipc and object_store (megarl's delta loader
+    through update_weights_from_tensor: megarl/rollout/sglang_delta.py)."""
     gpus_per_engine: int = 1
     """GPUs of one engine (rollout.gpus_per_engine): the ipc_relay road's engine groups of actor ranks."""
     quantization: dict | None = None

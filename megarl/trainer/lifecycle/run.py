@@ -214,6 +214,7 @@ def _start(
     from megarl.cluster.orphans import kill_leftover_processes, record_local_processes
     from megarl.cluster.ray_runtime import start_ray, stop_ray
     from megarl.rewards.runner import RewardRunner
+    from megarl.rollout.sglang_launch import model_is_mla
     from megarl.rollout.weights_format import rollout_quantization
     from megarl.trainer.lifecycle.checkpointer import Checkpointer
     from megarl.trainer.lifecycle.deadline_defaults import phase_timeouts
@@ -266,7 +267,8 @@ def _start(
     stack.callback(progress.close)
     quantization = rollout_quantization(config.rollout, config.model.path)
     transport = config.weight_sync_transport()
-    sync = WeightSync(roles, state, config.rollout, transport, quantization, disk_root=run_dir / "weight_sync")
+    mla = model_is_mla(config.model.path) if config.rollout.backend == "sglang" else None  # delta sync's rule
+    sync = WeightSync(roles, state, config.rollout, transport, quantization, run_dir / "weight_sync", mla)
     sync.probe = build_probe(config, data.prompts, tokenizer, quantization)
     on_gpus = roles.on_gpus()
     hand_over = on_gpus or config.placement.handover == "always"

@@ -44,6 +44,7 @@ class WeightSync:
         transport: str,
         quantization: dict | None = None,
         disk_root: Path | None = None,
+        mla: bool | None = None,
     ):
         self.roles = roles
         self.state = state
@@ -58,7 +59,7 @@ class WeightSync:
         self.route = None
         """How the weights travel (a SyncRoute), asked of the engines at the first sync."""
         self.num_syncs = 0
-        self.delta = rollout.sync_delta(transport)
+        self.delta = rollout.sync_delta(transport, quantization, mla)
         """rollout.weight_sync_delta resolved: syncs after a full one send only the changed elements."""
         self.full_next = True
         """The next delta-capable sync sends whole tensors: the first in this process (a start or a resume: the
