@@ -79,6 +79,19 @@ def exported_weights(path: str, layout: tuple[int, int, int], bucket_bytes: int,
     return sent, bucket_sizes
 
 
+def assert_export_is_the_checkpoint(ranks, folder, layout) -> None:
+    """What a weight sync from `layout` sends (every rank's buckets, bf16): each HF tensor of the checkpoint at
+    `folder` exactly once, equal to it."""
+    from megarl.bridge.safetensors_io import HFCheckpoint
+
+    results = ranks.run(exported_weights, str(folder), layout, 64 * 1024, "bfloat16")
+    sent = [item for tensors, _ in results for item in tensors]
+    names = [name for name, _ in sent]
+    original = HFCheckpoint(folder)
+    assert len(names) == len(set(names)) and set(names) == set(original.names)
+    assert all(torch.equal(tensor, original.get(name)) for name, tensor in sent)
+
+
 def exported_bucket_names(path: str, layout: tuple[int, int, int], bucket_bytes: int) -> list[list[str]]:
     """Load at `layout` and export: the names in each bucket this rank sent."""
     return [[name for name, _ in bucket] for bucket in _export(path, layout, bucket_bytes)]

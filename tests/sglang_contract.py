@@ -129,3 +129,24 @@ def validate_request(path: str, body: Any) -> Any:
     assert not unknown, f"{path}: {cls.__name__} has no field(s) {sorted(unknown)}"
     # msgspec checks every field's type on decoding (bytes travel as base64 text in JSON, as over HTTP)
     return msgspec.json.decode(msgspec.json.encode(cls(**body)), type=cls)
+
+
+def fork_child(work) -> int:
+    """Run `work()` in a forked child (SGLang's process-wide state stays in it); returns the child's pid. The child
+    exits 0 when `work` returned, 1 with the traceback on stderr when it raised."""
+    import os
+    import traceback
+
+    sys.stdout.flush(), sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            work()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(code)
+    return pid

@@ -256,26 +256,17 @@ def main() -> None:
 
 def fork_check(model_dir: str, tp: int, rank: int) -> tuple[int, int]:
     """A child doing one check (its JSON through the returned pipe): (pid, the pipe's read end)."""
-    sys.stdout.flush(), sys.stderr.flush()
     read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(read)
-            if model_dir == "--parse":
-                result = parse()
-            else:
-                result = timing(model_dir) if tp == 0 else check(model_dir, tp, rank)
-            os.write(write, json.dumps(result).encode())
-            code = 0
-        except BaseException:
-            import traceback
 
-            traceback.print_exc()
-        finally:
-            sys.stderr.flush()
-            os._exit(code)
+    def work() -> None:
+        os.close(read)
+        if model_dir == "--parse":
+            result = parse()
+        else:
+            result = timing(model_dir) if tp == 0 else check(model_dir, tp, rank)
+        os.write(write, json.dumps(result).encode())
+
+    pid = sglang_contract.fork_child(work)
     os.close(write)
     return pid, read
 

@@ -183,24 +183,14 @@ def serve() -> None:
 
     for line in sys.stdin:
         job = json.loads(line)
-        sys.stdout.flush(), sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child: one check, its JSON line to the result file
-            code = 1
-            try:
-                with open(job["out"], "w") as out:
-                    os.dup2(out.fileno(), 1)
-                    sys.argv = [sys.argv[0], *job["argv"]]
-                    main()
-                    sys.stdout.flush()
-                code = 0
-            except BaseException:
-                import traceback
 
-                traceback.print_exc()
-            finally:
-                sys.stderr.flush()
-                os._exit(code)
+        def check(job=job) -> None:  # in the child: one check, its JSON line to the result file
+            with open(job["out"], "w") as out:
+                os.dup2(out.fileno(), 1)
+                sys.argv = [sys.argv[0], *job["argv"]]
+                main()
+
+        pid = sglang_contract.fork_child(check)
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
 

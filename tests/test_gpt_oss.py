@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import exported_weights, layout_id, megatron_logits, one_result
+from helpers import assert_export_is_the_checkpoint, layout_id, megatron_logits, one_result
 from test_convert import assert_same_checkpoint, round_trip
 
 from megarl.bridge.mappings import InterleavedGateUp, Transposed, VocabInfo
@@ -216,13 +216,7 @@ def test_round_trip_is_bit_exact_at_tp2_ep2(ranks1, hf_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("layout", [P(pp=2, ep=2), P(tp=2, pp=2, ep=2, etp=1), P(ep=4)], ids=layout_id)
 def test_export_joins_each_stacked_tensor_from_every_expert_parallel_rank(ranks4, hf_checkpoint, layout):
-    folder = hf_checkpoint("tiny-gpt-oss", torch.bfloat16)
-    results = ranks4.run(exported_weights, str(folder), layout, 64 * 1024, "bfloat16")
-    sent = [item for tensors, _ in results for item in tensors]
-    names = [name for name, _ in sent]
-    original = HFCheckpoint(folder)
-    assert len(names) == len(set(names)) and set(names) == set(original.names)
-    assert all(torch.equal(tensor, original.get(name)) for name, tensor in sent)
+    assert_export_is_the_checkpoint(ranks4, hf_checkpoint("tiny-gpt-oss", torch.bfloat16), layout)
 
 
 def test_uneven_stages_give_the_hf_logits(ranks4, hf_reference):

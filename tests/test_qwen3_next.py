@@ -20,11 +20,10 @@ import json
 
 import pytest
 import torch
-from helpers import exported_weights, layout_id, megatron_logits, one_result
+from helpers import assert_export_is_the_checkpoint, layout_id, megatron_logits, one_result
 from test_convert import assert_same_checkpoint, round_trip
 
 from megarl.bridge.mappings import GatedDeltaNetInProj, GatedQKV, Sections, VocabInfo
-from megarl.bridge.safetensors_io import HFCheckpoint
 from megarl.errors import UserError
 from megarl.models.hf_config import config_from_dict
 from megarl.models.layout import check_parallel_layout
@@ -287,13 +286,7 @@ def test_round_trip_is_bit_exact(ranks1, hf_checkpoint, tmp_path, layout):
 def test_export_from_the_live_model_equals_the_checkpoint(ranks4, hf_checkpoint, layout):
     """What a weight sync sends: each HF tensor once, rebuilt from every TP rank's share of the GDN projections (cut
     per kind: q, k, v, z, b, a) and the gated q_proj, equal to the checkpoint's."""
-    folder = hf_checkpoint(NAME, torch.bfloat16)
-    results = ranks4.run(exported_weights, str(folder), layout, 64 * 1024, "bfloat16")
-    sent = [item for tensors, _ in results for item in tensors]
-    names = [name for name, _ in sent]
-    original = HFCheckpoint(folder)
-    assert len(names) == len(set(names)) and set(names) == set(original.names)
-    assert all(torch.equal(tensor, original.get(name)) for name, tensor in sent)
+    assert_export_is_the_checkpoint(ranks4, hf_checkpoint(NAME, torch.bfloat16), layout)
 
 
 @pytest.mark.parametrize("resumed_at", [P(pp=2, ep=2), P(ep=4)], ids=layout_id)
