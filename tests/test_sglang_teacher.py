@@ -140,6 +140,11 @@ def test_samples_and_the_request_follow_the_batch_and_sglangs_own_request_types(
 def test_log_probs_land_on_the_tokens_they_score_split_over_requests_and_servers(teacher_model, stand_ins):
     _, model = teacher_model
     batch = agent_batch()
+    idle = stand_ins()  # a row with no response token left (all masked): nothing to ask, all zeros
+    no_response = Batch(
+        {**{k: batch[k][:1] for k in batch.tensors}, "response_mask": torch.zeros(1, 7, dtype=torch.long)}
+    )
+    assert SGLangTeacher([idle.url]).logprobs(no_response).eq(0).all() and idle.requests == []
     servers = [stand_ins(), stand_ins()]
     teacher = SGLangTeacher([s.url for s in servers], max_request_tokens=12, parallel_requests=2)
     got = teacher.logprobs(batch)

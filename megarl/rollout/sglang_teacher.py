@@ -149,9 +149,14 @@ class SGLangTeacher:
         """[B, S] aligned with input_ids (column t: log p_teacher(token t | tokens before it)); 0 before each
         sample's first response token and on padding."""
         samples = samples_of(batch)
-        groups = group_samples(samples, self.max_request_tokens)
+        scored = [i for i, sample in enumerate(samples) if sample.start < len(sample.token_ids)]  # a response to score
+        groups = [
+            [scored[j] for j in group] for group in group_samples([samples[i] for i in scored], self.max_request_tokens)
+        ]
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-        with ThreadPoolExecutor(max_workers=min(self.parallel_requests, len(groups)) or 1) as pool:
+        if not groups:
+            return out
+        with ThreadPoolExecutor(max_workers=min(self.parallel_requests, len(groups))) as pool:
             results = list(pool.map(lambda group: self._score([samples[i] for i in group]), groups))
         for group, scores in zip(groups, results):
             for i, values in zip(group, scores):
