@@ -117,6 +117,16 @@ def test_kv_cache_per_token_gqa():
     assert engine_memory(shape, fp8, 80 * GB).kv_bytes_per_token == 2 * 32 * 8 * 128
 
 
+def test_kv_cache_per_token_hybrid_counts_the_full_attention_layers_only():
+    """Qwen3-Next-80B-A3B: every 4th of 48 layers is full attention (2 KV heads of 256): 2 x 12 x 2 x 256 x 2
+    bytes per token at tp 1, one KV head per GPU from tp 2 on; its 36 Gated DeltaNet layers keep no KV cache."""
+    shape = shape_of("qwen3-next-80b-a3b")
+    assert shape.kv_layers == 12
+    assert engine_memory(shape, SGLangEngineConfig(tp=1), 80 * GB).kv_bytes_per_token == 2 * 12 * 2 * 256 * 2
+    assert engine_memory(shape, SGLangEngineConfig(tp=8, ep=8), 80 * GB).kv_bytes_per_token == 2 * 12 * 1 * 256 * 2
+    assert "36 of 48 layers are Gated DeltaNet" in shape.notes[-1]
+
+
 def test_kv_cache_per_token_mla():
     """DeepSeek-V3: 61 layers x (kv_lora_rank 512 + rope 64) x 2 bytes = 70272 bytes per token, on every GPU of an
     attention group; DP attention multiplies the engine's distinct tokens."""

@@ -92,6 +92,9 @@ class ModelShape:
     hf_extra_numel: int = 0
     """Parameters in the HF checkpoint that the Megatron model does not hold (multi-token-prediction layers): carried
     by conversion, never trained nor synced."""
+    kv_layers: int | None = None
+    """Layers that keep a KV cache per token when served: all of them (None), or the full-attention ones of a
+    hybrid model (Qwen3-Next: its Gated DeltaNet layers keep a fixed-size state per request instead)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def padded_vocab(self, vocab_multiple: int, tp: int) -> int:
@@ -198,6 +201,11 @@ def model_shape(hf_config, spec_backend: str = "te") -> ModelShape:
         vocab = int(hf_config.vocab_size)
         extra = mtp * (sum(p.total() for p in layers[-1]) + 2 * vocab * h + 2 * h * h + 3 * h)
         notes = (f"{mtp} multi-token-prediction layer(s) ({extra / 1e9:.1f} B parameters) are carried, not trained",)
+    if linear:
+        notes += (
+            f"{sum(linear)} of {len(linear)} layers are Gated DeltaNet: no KV cache, a fixed state per request in "
+            "the engine (not planned), and their activations are planned as attention layers' (an upper bound)",
+        )
     if moe and moe["stacked"]:
         # gate_up_proj [experts, hidden, 2 x ffn]: built whole on the first expert rank at every weight sync
         stacked_gb = moe["num_experts"] * h * 2 * moe["expert_ffn"] * dtype_bytes(_dtype_name(hf_config)) / 2**30
@@ -225,6 +233,7 @@ def model_shape(hf_config, spec_backend: str = "te") -> ModelShape:
         qk_norm=feats.qk_norm,
         hf_extra_numel=extra,
         notes=notes,
+        kv_layers=len(linear) - sum(linear) if linear else None,
     )
 
 

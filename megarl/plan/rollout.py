@@ -9,7 +9,8 @@ attention-TP ranks; MLA's down projections are whole on every GPU); embedding an
 attention-TP group; dense MLP and shared experts over tp; routed experts over ep, each expert over tp / ep, i.e. all
 experts over tp; norms and router whole.
 
-KV cache per token per GPU: GQA: 2 (K and V) x layers x ceil(kv_heads / attention-TP) x head_dim x bytes;
+KV cache per token per GPU: GQA: 2 (K and V) x layers x ceil(kv_heads / attention-TP) x head_dim x bytes (layers:
+the full-attention ones of a hybrid model, ModelShape.kv_layers);
 MLA: layers x (kv_lora_rank + qk_rope_head_dim) x bytes (the compressed latent, whole on every attention-TP rank).
 An engine with DP attention keeps dp separate caches (one per attention group): its token capacity is dp times one
 GPU's.
@@ -84,10 +85,11 @@ def engine_memory(shape: ModelShape, config: SGLangEngineConfig, gpu_bytes: floa
             layers_numel += _engine_share(spec.name, spec.total(), spec.split, shape, config.tp, attn_tp, kv_heads)
     vocab = shape.vocab_size * shape.hidden_size
     numel = vocab / attn_tp * (1 if shape.tied_embeddings else 2) + shape.final_norm
+    kv_layers = shape.num_layers if shape.kv_layers is None else shape.kv_layers
     if shape.mla:
-        per_token = shape.num_layers * (shape.mla["kv_lora_rank"] + shape.mla["qk_rope_head_dim"]) * kv_bytes
+        per_token = kv_layers * (shape.mla["kv_lora_rank"] + shape.mla["qk_rope_head_dim"]) * kv_bytes
     else:
-        per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * kv_bytes
+        per_token = 2 * kv_layers * kv_heads * shape.head_dim * kv_bytes
     fraction = config.mem_fraction_static
     return EngineMemory(
         tp=config.tp,
