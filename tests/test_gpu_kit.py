@@ -80,7 +80,7 @@ def test_dry_run_names_the_gpu_test_files_and_fits_in_7_minutes(tmp_path):
     assert commands["bench-refit"].endswith(f"tools/bench/gpu_refit.py --reps 3 --jsonl {tmp_path}/out/bench.jsonl")
     # what comes back from a device call: at most 8 files, none in a subfolder, whichever parts ran
     assert kit.out_files() == ["status.tsv", "kit.log", "junit-first.xml", "junit-guards.xml", "junit-archs.xml",
-                               "junit-ppo.xml", "bench.jsonl", "gpu-results.json"]  # fmt: skip
+                               "junit-extras.xml", "bench.jsonl", "gpu-results.json"]  # fmt: skip
     # one part again: the install comes along while SITE does not hold the carry there is, the summary always
     again = dry_run_steps(run_sh("--dry-run", "guards", env=env, cwd=tmp_path).stdout)
     assert [name for name, _, _ in again] == ["guards", "summary"]  # no carry: the environment as it is
@@ -104,7 +104,7 @@ def gpu_test_ids(path: str) -> list[str]:
 
 def test_every_gpu_test_runs_in_exactly_one_step():
     gpu_tests = gpu_test_ids(kit.GPU_TESTS) + gpu_test_ids(kit.SGLANG_TESTS)
-    assert len(gpu_test_ids(kit.GPU_TESTS)) == 10
+    assert len(gpu_test_ids(kit.GPU_TESTS)) == 13
     covered = []
     for step in kit.STEPS:
         for node in step.nodes:

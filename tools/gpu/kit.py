@@ -97,10 +97,14 @@ STEPS = (
     Step("bench-train-step", 35, "0.5 B update step: megarl, then transformers + AdamW", script="gpu_train_step.py"),
     Step("bench-refit", 30, "0.5 B colocated sync: CUDA IPC, object store, device copy", script="gpu_refit.py"),
     Step(
-        "ppo",
-        90,
-        "one colocated PPO step (actor and critic) on the GPU: not in the default run",
-        nodes=(COLOCATED.format("ppo"),),
+        "extras",
+        135,
+        "one colocated PPO step (actor and critic); bf16 parity of GLM-4.5, gpt-oss and Qwen3-Next (its Gated DeltaNet "
+        "on CUDA): not in the default run",
+        nodes=(
+            COLOCATED.format("ppo"),
+            *(PARITY.format(n) for n in ("tiny-glm4-moe", "tiny-gpt-oss", "tiny-qwen3-next")),
+        ),
         per_test_s=80,
         default=False,
     ),

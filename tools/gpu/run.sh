@@ -4,7 +4,7 @@
 #   bash tools/gpu/run.sh [--dry-run] [PART ...]        on the GPU machine, from anywhere
 #
 # PARTs, in the order they run (default: all but the extras): device, install, first, guards, archs,
-# bench-train-step, bench-refit, summary; extras: ppo, collect. The summary always comes last; install is added when
+# bench-train-step, bench-refit, summary; extras: extras, collect. The summary always comes last; install is added when
 # SITE does not hold this carry yet, so `run.sh guards` reruns one part, also on a fresh machine.
 # Each step has its own time limit; `--dry-run` prints the steps, their limits and commands, and `total limit: N s`.
 #
