@@ -94,6 +94,8 @@ def _run_convert(args: argparse.Namespace) -> int:
             args.src, args.dst, parallel, dtype, args.vocab_multiple, args.overwrite, not args.no_progress
         )
         print(f"wrote {report.destination}: {_written(report)}")
+        for note in report.notes:
+            print(f"note: {note}")
         if args.verify:  # after the line above: the checkpoint stays written even when it fails the check
             from megarl.conversion.verify_parity import verify_conversion
 

@@ -77,8 +77,8 @@ def test_multi_token_prediction_layers_are_carried_through(ranks1, ranks4, hf_ch
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     (report,) = ranks1.run(convert_hf_to_mcore, str(src), str(mcore), P(), show_progress=False)
     assert report.notes == (
-        "carried 7 tensors of multi-token-prediction layers (model.layers.4) through unchanged: the Megatron model "
-        "does not use them, converting back restores them",
+        "carried 7 tensors the Megatron model does not use through unchanged (multi-token prediction: "
+        "model.layers.4.*): converting back restores them",
     )
     assert sorted(HFCheckpoint(mcore / "hf_extra").names) == sorted(
         n for n in HFCheckpoint(src).names if n.startswith("model.layers.4.")

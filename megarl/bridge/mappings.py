@@ -231,11 +231,27 @@ class Transposed(Mapping):
 @dataclass(frozen=True)
 class Sections(Mapping):
     """Megatron rows made of consecutive sections, each split across TP ranks on its own (Gated DeltaNet's conv1d:
-    q, k and v channels): TP rank r holds the r-th part of every section, in order. `sections`: the full row count
-    of each."""
+    q, k and v channels; its in_proj: q, k, v, z, b, a): TP rank r holds the r-th part of every section, in order.
+    `sections`: the full row count of each. The HF side is one tensor holding them all, or consecutive tensors of
+    whole sections (Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a): `sections_per_hf_tensor`."""
 
     sections: tuple[int, ...] = ()
+    sections_per_hf_tensor: tuple[int, ...] = ()
+    """How many consecutive sections each HF tensor holds; empty: one tensor holds all of them."""
     tp_dim: int | None = 0
+
+    def _hf_rows(self) -> list[int]:
+        counts, rows, start = self.sections_per_hf_tensor or (len(self.sections),), [], 0
+        for count in counts:
+            rows.append(sum(self.sections[start : start + count]))
+            start += count
+        return rows
+
+    def hf_to_mcore(self, hf: Sequence[torch.Tensor], vocab: VocabInfo) -> torch.Tensor:
+        return hf[0] if len(hf) == 1 else torch.cat(list(hf))
+
+    def mcore_to_hf(self, full: torch.Tensor, vocab: VocabInfo) -> list[torch.Tensor]:
+        return list(full.split(self._hf_rows())) if len(self._hf_rows()) > 1 else [full]
 
     def shard(self, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
         parts = full.split(list(self.sections), dim=0)

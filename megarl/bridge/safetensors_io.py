@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -127,17 +127,27 @@ class HFCheckpoint:
 
     A block-wise FP8 checkpoint (config.json's quantization_config, megarl.bridge.fp8) reads as its dequantized
     weights in `dequantize_to`: its `*_scale_inv` tensors are consumed, not listed. raw=True reads what is stored.
+    rename: the name each stored tensor is listed and read under (a vision-language checkpoint's language model
+    under the text model's names: megarl.models.hf_config.read_hf_weights).
     """
 
-    def __init__(self, folder: str | Path, dequantize_to: torch.dtype = torch.bfloat16, raw: bool = False):
+    def __init__(
+        self,
+        folder: str | Path,
+        dequantize_to: torch.dtype = torch.bfloat16,
+        raw: bool = False,
+        rename: Callable[[str], str] | None = None,
+    ):
         self.folder = Path(folder)
-        weight_map = self._weight_map()
+        rename = rename or (lambda name: name)
+        weight_map = {rename(name): file_name for name, file_name in self._weight_map().items()}
         self._specs: dict[str, TensorSpec] = {}
         self._file_of: dict[str, str] = {}
         self._offset_of: dict[str, int] = {}  # absolute position of each tensor's bytes in its file
         for file_name in dict.fromkeys(weight_map.values()):
             header, data_start = read_header(self.folder / file_name)
-            for name, entry in header.items():
+            for stored_name, entry in header.items():
+                name = rename(stored_name)
                 if entry["dtype"] not in DTYPES_BY_CODE:
                     raise UserError(f"{self.folder / file_name}: tensor {name} has unsupported dtype {entry['dtype']}")
                 self._specs[name] = TensorSpec(name, DTYPES_BY_CODE[entry["dtype"]], tuple(entry["shape"]))

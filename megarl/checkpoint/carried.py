@@ -1,5 +1,6 @@
 """What a model checkpoint carries unchanged from the folder its model was loaded from: the HF side files (config,
-tokenizer, generation config) and the tensors the Megatron model does not hold (multi-token prediction layers).
+tokenizer, generation config) and the tensors the Megatron model does not hold (multi-token prediction layers, a
+vision-language checkpoint's vision tower: Architecture.carried_part).
 
 They are captured when the model is loaded and never read from that folder again: a run that resumed from
 `checkpoints/step_21/actor` keeps saving long after rotation has deleted `step_21`. Side files are small and kept in
@@ -66,3 +67,25 @@ class CarriedFiles:
             handle.seek(0)
             with open(target, "wb") as out:
                 shutil.copyfileobj(handle, out, _COPY_CHUNK_BYTES)
+
+
+def carried_note(arch, hf_config, names: list[str]) -> str:
+    """One line for the user: how many tensors are carried, and what they are (`arch`: the Architecture)."""
+    parts: dict[str, list[str]] = {}
+    for name in names:
+        parts.setdefault(arch.carried_part(name, hf_config), []).append(name)
+    described = "; ".join(f"{part}: {_common_prefix(group)}.*" for part, group in parts.items())
+    return (
+        f"carried {len(names)} tensors the Megatron model does not use through unchanged ({described}): converting "
+        "back restores them"
+    )
+
+
+def _common_prefix(names: list[str]) -> str:
+    split = [name.split(".") for name in names]
+    common = []
+    for pieces in zip(*split):
+        if len(set(pieces)) > 1:
+            break
+        common.append(pieces[0])
+    return ".".join(common[: min(len(s) for s in split) - 1]) or "*"

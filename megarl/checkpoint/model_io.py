@@ -7,6 +7,7 @@ through Megatron's distributed checkpointing, at any layout.
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,8 +19,8 @@ import torch.distributed as dist
 from megarl.bridge.importer import load_hf_weights
 from megarl.bridge.mappings import VocabInfo, pad_vocab_size
 from megarl.bridge.model_bridge import ModelBridge
-from megarl.bridge.safetensors_io import HFCheckpoint, TensorSpec
-from megarl.checkpoint.carried import CarriedFiles
+from megarl.bridge.safetensors_io import TensorSpec
+from megarl.checkpoint.carried import CarriedFiles, carried_note
 from megarl.checkpoint.dist_io import check_loadable, load_model_weights, save_model_weights
 from megarl.checkpoint.model_dir import (
     HF_DIR,
@@ -33,11 +34,13 @@ from megarl.checkpoint.staging import check_destination
 from megarl.models.architecture import Architecture
 from megarl.models.builder import build_bridge, build_model
 from megarl.models.heads import VALUE_HEAD_HF_NAME, Head
-from megarl.models.hf_config import config_dtype, dtype_name, load_hf_config, read_config_json
+from megarl.models.hf_config import config_dtype, dtype_name, load_hf_config, read_config_json, read_hf_weights
 from megarl.models.layout import check_parallel_layout
 from megarl.models.registry import get_architecture
 from megarl.models.specs import SpecBackend
 from megarl.runtime.parallel import ParallelConfig
+
+log = logging.getLogger("megarl")
 
 
 @dataclass
@@ -104,13 +107,14 @@ def load_model(
         return VocabInfo(hf_config.vocab_size, pad_vocab_size(hf_config.vocab_size, vocab_multiple, parallel.tp))
 
     model = _build(path, path, parallel, dtype, vocab_of, **build)
-    checkpoint = HFCheckpoint(path)
+    checkpoint = read_hf_weights(path)  # a vision-language checkpoint's language model under the text names
     load_hf_weights(model.bridge, checkpoint, missing_ok=(VALUE_HEAD_HF_NAME,) if head == "value" else ())
     arch, hf_config = model.arch, model.hf_config
-    model.hf_specs = [
-        spec for spec in checkpoint.specs() if not arch.is_mtp(spec.name, hf_config) and not arch.is_derived(spec.name)
-    ]
-    model.carried = CarriedFiles.from_hf_folder(path, [n for n in checkpoint.names if arch.is_mtp(n, hf_config)])
+    carried = [name for name in checkpoint.names if arch.is_carried(name, hf_config)]
+    model.hf_specs = [s for s in checkpoint.specs() if s.name not in carried and not arch.is_derived(s.name)]
+    model.carried = CarriedFiles.from_hf_folder(path, carried)
+    if carried and (not dist.is_initialized() or dist.get_rank() == 0):
+        log.info("%s: %s", path, carried_note(arch, hf_config, carried))
     model.quantization = checkpoint.quantization.config if checkpoint.quantization else None
     return model
 

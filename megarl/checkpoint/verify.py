@@ -32,10 +32,11 @@ def check_hf_weights(folder: str | Path, hf_config) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megarl.bridge.safetensors_io import HFCheckpoint
+    from megarl.models.hf_config import read_hf_weights
 
     folder = Path(folder)
-    checkpoint = HFCheckpoint(folder, raw=True)  # every header read and checked
+    # every header read and checked; a vision-language checkpoint's language model under the text model's names
+    checkpoint = read_hf_weights(folder, raw=True)
     passed = _passed_before(checkpoint, hf_config)
     if passed.is_file():
         return int(passed.read_text())

@@ -14,6 +14,7 @@ import torch
 
 from megarl.bridge.mappings import VocabInfo, pad_vocab_size
 from megarl.bridge.safetensors_io import HFCheckpoint
+from megarl.checkpoint.carried import carried_note
 from megarl.checkpoint.model_dir import (
     EXTRA_DIR,
     HF_DIR,
@@ -27,7 +28,7 @@ from megarl.checkpoint.staging import check_destination, staged_folder
 from megarl.conversion.lazy_dist_save import save_lazily
 from megarl.conversion.meta_model import build_meta_model, check_checkpoint_matches
 from megarl.errors import UserError
-from megarl.models.hf_config import config_dtype, dtype_name, load_hf_config, read_config_json
+from megarl.models.hf_config import config_dtype, dtype_name, load_hf_config, read_config_json, read_hf_weights
 from megarl.models.layout import check_parallel_layout
 from megarl.models.registry import get_architecture
 from megarl.runtime.distributed import single_process_megatron
@@ -68,11 +69,12 @@ def convert_hf_to_mcore(
         raise UserError(f"--vocab-multiple={vocab_multiple} must be a positive integer (Megatron's default: 128)")
     dst = check_destination(dst, overwrite, sources=(src,))
     dtype = dtype or config_dtype(hf_config)
-    checkpoint = HFCheckpoint(src, dequantize_to=dtype)  # FP8 checkpoints read dequantized (megarl.bridge.fp8)
+    # FP8 checkpoints read dequantized (megarl.bridge.fp8); a vision-language one's language model as the text model
+    checkpoint = read_hf_weights(src, dequantize_to=dtype)
     derived = [name for name in checkpoint.names if arch.is_derived(name)]
-    carried = [name for name in checkpoint.names if arch.is_mtp(name, hf_config)]
+    carried = [name for name in checkpoint.names if arch.is_carried(name, hf_config)]
     checkpoint.names = [name for name in checkpoint.names if name not in derived and name not in carried]
-    notes = _notes(derived, carried, checkpoint)
+    notes = _notes(derived, carried_note(arch, hf_config, carried) if carried else "", checkpoint)
     vocab = VocabInfo(hf_config.vocab_size, pad_vocab_size(hf_config.vocab_size, vocab_multiple, parallel.tp))
 
     with single_process_megatron():
@@ -105,7 +107,7 @@ def convert_hf_to_mcore(
     return ConversionReport(len(checkpoint.names) + len(carried), total, time.monotonic() - start, dst, notes)
 
 
-def _notes(derived: list[str], carried: list[str], checkpoint: HFCheckpoint) -> tuple[str, ...]:
+def _notes(derived: list[str], carried: str, checkpoint: HFCheckpoint) -> tuple[str, ...]:
     notes = []
     if checkpoint.quantization is not None:
         dtype = checkpoint.spec(checkpoint.quantized_names[0]).dtype if checkpoint.quantized_names else None
@@ -117,9 +119,5 @@ def _notes(derived: list[str], carried: list[str], checkpoint: HFCheckpoint) -> 
     if derived:
         notes.append(f"skipped {len(derived)} tensors recomputed from config.json (e.g. {derived[0]})")
     if carried:
-        layers = sorted({".".join(name.split(".")[:3]) for name in carried})
-        notes.append(
-            f"carried {len(carried)} tensors of multi-token-prediction layers ({', '.join(layers)}) through "
-            "unchanged: the Megatron model does not use them, converting back restores them"
-        )
+        notes.append(carried)
     return tuple(notes)

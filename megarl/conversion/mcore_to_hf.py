@@ -31,7 +31,7 @@ from megarl.checkpoint.verify import check_dist_checkpoint
 from megarl.conversion.hf_to_mcore import ConversionReport
 from megarl.conversion.meta_model import build_meta_model
 from megarl.errors import UserError
-from megarl.models.hf_config import config_dtype, dtype_name, load_hf_config
+from megarl.models.hf_config import config_dtype, dtype_name, language_model_part, load_hf_config, read_config_json
 from megarl.models.registry import get_architecture
 from megarl.runtime.distributed import single_process_megatron
 from megarl.runtime.memory import trim_heap
@@ -158,11 +158,15 @@ def convert_mcore_to_hf(
 
     extra = HFCheckpoint(src / EXTRA_DIR) if (src / EXTRA_DIR).is_dir() else None
 
+    # a vision-language checkpoint's language model goes back under its own names (hf_config.VISION_LANGUAGE)
+    part = language_model_part(read_config_json(src / HF_DIR))
+    stored = part.stored_name if part is not None else str
+
     with single_process_megatron():
         meta = build_meta_model(arch, hf_config, info.vocab, info.dtype)
         specs = meta.hf_specs(dtype_of)
         _check_manifest(manifest, specs, src)
-        specs += extra.specs() if extra else []
+        specs = [replace(spec, name=stored(spec.name)) for spec in specs] + (extra.specs() if extra else [])
         sharded_state_dict = meta.chunk.sharded_state_dict()
         exported = [b for b in meta.bindings if b.mapping.export]
         with staged_folder(dst, overwrite) as tmp, _metadata_read_once(src / MODEL_DIR):
@@ -172,7 +176,8 @@ def convert_mcore_to_hf(
                     trim_heap()
                     loaded = _load_group(sharded_state_dict, group, src / MODEL_DIR)
                     for binding in group:
-                        writer.write_all(meta.bridge.to_hf(binding, loaded.pop(binding.param_name), dtype_of))
+                        tensors = meta.bridge.to_hf(binding, loaded.pop(binding.param_name), dtype_of)
+                        writer.write_all((stored(name), tensor) for name, tensor in tensors)
                         advance(binding.param_name)
             for name in extra.names if extra else []:  # carried through unchanged (multi-token prediction)
                 writer.write(name, extra.get(name))

@@ -100,6 +100,10 @@ class Architecture:
     """Qwen3-Next: config.json `layer_types` interleaves Gated DeltaNet linear attention ('linear_attention',
     megarl/models/gated_delta_net.py) with full attention whose q_proj also gives a sigmoid output gate; every RMSNorm
     but the GDN's output norm is zero-centered (1 + w). megarl/models/linear_attention.py."""
+    gdn_split_in_proj: bool = False
+    """The Gated DeltaNet's input projection is stored as four tensors in Megatron's own order of kinds (Qwen3.5:
+    `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`), not grouped per key head (Qwen3-Next: `in_proj_qkvz`,
+    `in_proj_ba`)."""
     mla: bool = False
     """Multi-head Latent Attention (DeepSeek-V2/V3) instead of grouped-query attention."""
     moe: MoE | None = None
@@ -118,16 +122,28 @@ class Architecture:
     derived_hf_tensors: tuple[str, ...] = (r"\.rotary_emb\.inv_freq$",)
     """Regexes of tensors some checkpoints carry but that are recomputed from config.json (older transformers
     saved RoPE frequencies): skipped on import, and reported."""
+    carried_hf_tensors: dict[str, str] = field(default_factory=dict)
+    """Regexes of checkpoint tensors the Megatron model does not hold, with what they are (Qwen3.5: the vision
+    tower, the multi-token-prediction block): carried through conversion and training checkpoints unchanged, as
+    the layers past `mtp_layers_key` are."""
 
     def is_derived(self, hf_name: str) -> bool:
         return any(re.search(pattern, hf_name) for pattern in self.derived_hf_tensors)
 
-    def is_mtp(self, hf_name: str, hf_config) -> bool:
-        """A tensor of a multi-token-prediction layer: `model.layers.{i}.` with i past the decoder layers."""
-        if not self.mtp_layers_key:
-            return False
-        match = re.match(r"model\.layers\.(\d+)\.", hf_name)
-        return bool(match) and int(match.group(1)) >= hf_config.num_hidden_layers
+    def carried_part(self, hf_name: str, hf_config) -> str | None:
+        """What a tensor the Megatron model does not hold belongs to ('multi-token prediction', 'the vision
+        tower'...); None for the model's own tensors."""
+        for pattern, part in self.carried_hf_tensors.items():
+            if re.search(pattern, hf_name):
+                return part
+        if self.mtp_layers_key:  # `model.layers.{i}.` with i past the decoder layers
+            match = re.match(r"model\.layers\.(\d+)\.", hf_name)
+            if match and int(match.group(1)) >= hf_config.num_hidden_layers:
+                return "multi-token prediction"
+        return None
+
+    def is_carried(self, hf_name: str, hf_config) -> bool:
+        return self.carried_part(hf_name, hf_config) is not None
 
     def check_sglang_supported(self, hf_config, key: str = "model.path") -> None:
         if self.hybrid_linear_attention:
@@ -173,6 +189,16 @@ class Architecture:
         self._check_variants(hf_config)
         if self.moe:
             self.moe.check_supported(hf_config)
+
+    def ffn_hidden_size(self, hf_config) -> int:
+        """The dense MLP's width (Megatron's ffn_hidden_size): config.json `intermediate_size`; a model whose every
+        layer is sparse may have none (Qwen3.5), and then the experts' width stands in, unused."""
+        width = getattr(hf_config, "intermediate_size", None)
+        if width:
+            return int(width)
+        if self.moe is None or not all(self.moe.sparse_layers(hf_config)):
+            raise UserError(f"config.json has no intermediate_size, which {self.name}'s dense MLP layers need")
+        return int(getattr(hf_config, self.moe.expert_ffn_key))
 
     def _check_variants(self, hf_config) -> None:
         if self.clamped_swiglu:
@@ -223,7 +249,7 @@ class Architecture:
         config_kwargs = dict(
             num_layers=hf_config.num_hidden_layers,
             hidden_size=hf_config.hidden_size,
-            ffn_hidden_size=hf_config.intermediate_size,
+            ffn_hidden_size=self.ffn_hidden_size(hf_config),
             num_attention_heads=hf_config.num_attention_heads,
             normalization="RMSNorm",
             layernorm_epsilon=hf_config.rms_norm_eps,
@@ -271,7 +297,7 @@ class Architecture:
         if self.mla:
             attention = mla_mappings(hf_config)
         elif self.hybrid_linear_attention:
-            attention = hybrid_attention_mappings(hf_config)
+            attention = hybrid_attention_mappings(hf_config, self.gdn_split_in_proj)
         else:
             attention = gqa_mappings(hf_config, feats.qkv_bias, feats.proj_bias, feats.qk_norm, self.attention_sinks)
         return [

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megarl.errors import UserError
+
+if TYPE_CHECKING:
+    from megarl.bridge.safetensors_io import HFCheckpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", **{name: name for name in DTYPES}}
@@ -44,10 +48,62 @@ MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 name (its checkpoint ships DeepSeek-V3's remote code, which megarl never runs; transformers' own class reads it)."""
 
 
+@dataclass(frozen=True)
+class LanguageModelPart:
+    """Where a vision-language checkpoint keeps the language model megarl trains (its vision tower is carried through
+    unchanged: Architecture.carried_hf_tensors)."""
+
+    config_key: str
+    """config.json key of the language model's own config (its `model_type` names the text model)."""
+    stored_prefix: str
+    """Prefix of the language model's tensors in the checkpoint where the text model has `model.`; `lm_head.weight`
+    is the same in both."""
+
+    def text_name(self, stored: str) -> str:
+        """The text model's name of a checkpoint tensor (others, e.g. the vision tower's, unchanged)."""
+        return "model." + stored.removeprefix(self.stored_prefix) if stored.startswith(self.stored_prefix) else stored
+
+    def stored_name(self, text: str) -> str:
+        """The checkpoint's name of a text-model tensor."""
+        return self.stored_prefix + text.removeprefix("model.") if text.startswith("model.") else text
+
+
+VISION_LANGUAGE = {"qwen3_5_moe": LanguageModelPart("text_config", "model.language_model.")}
+"""config.json model_types of vision-language checkpoints whose language model megarl trains, read as that text
+model: its config from `config_key`, its tensors under the text model's names (Qwen3.5's published checkpoints)."""
+
+
+_INHERITED = ("dtype", "torch_dtype", "tie_word_embeddings")
+
+
+def language_model_part(raw: dict[str, Any]) -> LanguageModelPart | None:
+    """The language model's place in a vision-language config.json dict; None for a text model's."""
+    return VISION_LANGUAGE.get(raw.get("model_type"))
+
+
+def read_hf_weights(model_dir: str | Path, **kwargs) -> HFCheckpoint:
+    """`HFCheckpoint(model_dir, **kwargs)` under the names the weight tables use: a vision-language checkpoint's
+    language model tensors under the text model's names (VISION_LANGUAGE), the rest as stored."""
+    from megarl.bridge.safetensors_io import HFCheckpoint
+
+    raw = read_config_json(model_dir) if (Path(model_dir) / "config.json").is_file() else {}
+    part = language_model_part(raw)
+    return HFCheckpoint(model_dir, rename=part.text_name if part is not None else None, **kwargs)
+
+
 def config_from_dict(raw: dict[str, Any]):
-    """The transformers config of a config.json dict (defaults and key renames applied), aliases resolved."""
+    """The transformers config of a config.json dict (defaults and key renames applied), aliases resolved; a
+    vision-language checkpoint's as its language model's config."""
     from transformers import AutoConfig
 
+    part = language_model_part(raw)
+    if part is not None:
+        text = dict(raw.get(part.config_key) or {})
+        if "model_type" not in text:
+            raise UserError(f"config.json model_type={raw['model_type']!r} has no {part.config_key}.model_type")
+        # what the whole checkpoint records once, at the top (the weights' dtype), unless the text config says it
+        inherited = {k: raw[k] for k in _INHERITED if raw.get(k) is not None and text.get(k) is None}
+        raw = {**text, **inherited}
     model_type = raw.get("model_type")
     if model_type in MODEL_TYPE_ALIASES:
         raw = {k: v for k, v in raw.items() if k != "auto_map"}  # the remote code's classes: never imported
@@ -56,12 +112,13 @@ def config_from_dict(raw: dict[str, Any]):
 
 
 def load_hf_config(model_dir: str | Path):
-    """`transformers.AutoConfig` for a local folder (never the hub); aliased model_types as their family's."""
+    """`transformers.AutoConfig` for a local folder (never the hub); aliased model_types as their family's, a
+    vision-language checkpoint's as its language model's (VISION_LANGUAGE)."""
     from transformers import AutoConfig
 
     try:
         raw = read_config_json(model_dir) if (Path(model_dir) / "config.json").is_file() else {}
-        if raw.get("model_type") in MODEL_TYPE_ALIASES:
+        if raw.get("model_type") in MODEL_TYPE_ALIASES or language_model_part(raw) is not None:
             return config_from_dict(raw)
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError, KeyError) as err:

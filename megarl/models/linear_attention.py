@@ -74,12 +74,31 @@ def hybrid_config(hf_config) -> dict[str, Any]:
     )
 
 
-def hybrid_attention_mappings(hf_config) -> list[Mapping]:
-    """Both token mixers' rows: each binds only in the layers whose Megatron module has that parameter."""
+def hybrid_attention_mappings(hf_config, split_in_proj: bool = False) -> list[Mapping]:
+    """Both token mixers' rows: each binds only in the layers whose Megatron module has that parameter.
+
+    split_in_proj: the GDN's input projection is stored as Qwen3.5 stores it (Architecture.gdn_split_in_proj)."""
     m, attn, gdn = MCORE_LAYER + "self_attention.", HF_LAYER + "self_attn.", HF_LAYER + "linear_attn."
     nk, dk = hf_config.linear_num_key_heads, hf_config.linear_key_head_dim
     nv, dv = hf_config.linear_num_value_heads, hf_config.linear_value_head_dim
     in_proj_sections = (nk * dk, nk * dk, nv * dv, nv * dv, nv, nv)
+    if split_in_proj:  # [q, k, v], z, b, a: Megatron's kinds in its order, each tensor one or more whole kinds
+        in_proj: Mapping = Sections(
+            m + "in_proj.weight",
+            tuple(gdn + f"in_proj_{kinds}.weight" for kinds in ("qkv", "z", "b", "a")),
+            sections=in_proj_sections,
+            sections_per_hf_tensor=(3, 1, 1, 1),
+        )
+    else:
+        in_proj = GatedDeltaNetInProj(
+            m + "in_proj.weight",
+            (gdn + "in_proj_qkvz.weight", gdn + "in_proj_ba.weight"),
+            sections=in_proj_sections,
+            num_key_heads=nk,
+            key_head_dim=dk,
+            num_value_heads=nv,
+            value_head_dim=dv,
+        )
     return [
         Direct(MCORE_LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",)),
         GatedQKV(
@@ -92,15 +111,7 @@ def hybrid_attention_mappings(hf_config) -> list[Mapping]:
         Direct(m + "linear_proj.weight", (attn + "o_proj.weight",), tp_dim=1),
         Direct(m + "q_layernorm.weight", (attn + "q_norm.weight",)),
         Direct(m + "k_layernorm.weight", (attn + "k_norm.weight",)),
-        GatedDeltaNetInProj(
-            m + "in_proj.weight",
-            (gdn + "in_proj_qkvz.weight", gdn + "in_proj_ba.weight"),
-            sections=in_proj_sections,
-            num_key_heads=nk,
-            key_head_dim=dk,
-            num_value_heads=nv,
-            value_head_dim=dv,
-        ),
+        in_proj,
         Sections(m + "conv1d.weight", (gdn + "conv1d.weight",), sections=in_proj_sections[:3]),
         Direct(m + "A_log", (gdn + "A_log",), tp_dim=0),
         Direct(m + "dt_bias", (gdn + "dt_bias",), tp_dim=0),

@@ -188,7 +188,9 @@ def model_shape(hf_config, spec_backend: str = "te") -> ModelShape:
     layers = []
     for index, is_sparse in enumerate(sparse):
         mlp = (
-            _moe_params(h, moe, bias_linear) if is_sparse else _mlp_params(h, hf_config.intermediate_size, bias_linear)
+            _moe_params(h, moe, bias_linear)
+            if is_sparse
+            else _mlp_params(h, arch.ffn_hidden_size(hf_config), bias_linear)
         )
         mixer = _gated_delta_net_params(hf_config) if linear and linear[index] else attention
         layers.append((*mixer, ParamSpec("pre_mlp_layernorm", h, "replicated"), *mlp))
@@ -227,7 +229,7 @@ def model_shape(hf_config, spec_backend: str = "te") -> ModelShape:
         head_dim=qk_dim,
         v_head_dim=v_dim,
         mla=mla,
-        ffn_hidden_size=int(hf_config.intermediate_size),
+        ffn_hidden_size=arch.ffn_hidden_size(hf_config),
         moe=moe,
         sparse_layers=tuple(sparse),
         qk_norm=feats.qk_norm,

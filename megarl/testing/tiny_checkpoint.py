@@ -32,17 +32,21 @@ def make_hf_checkpoint(
 
     One-dimensional weights and buffers (norms, biases, DeepSeek's expert-selection bias) and biases stacked over
     experts (gpt-oss) are randomized too: HF initializes them to ones and zeros, which would let a mapping that swaps
-    two norms pass every numeric check.
+    two norms pass every numeric check. A vision-language config (hf_config.VISION_LANGUAGE) builds the whole
+    vision-language model, as its published checkpoints are saved.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from megarl.data.char_tokenizer import build_char_tokenizer
-    from megarl.models.hf_config import MODEL_TYPE_ALIASES, config_from_dict
+    from megarl.models.hf_config import MODEL_TYPE_ALIASES, config_from_dict, language_model_part
 
     raw = dict(tiny_config(config) if isinstance(config, str) else config)
-    hf_config = config_from_dict(raw)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config)
+    if language_model_part(raw) is not None:
+        whole = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+        model = AutoModelForImageTextToText.from_config(whole)
+    else:
+        model = AutoModelForCausalLM.from_config(config_from_dict(raw))
     saved = model.state_dict()
     with torch.no_grad():
         for name, tensor in model.named_parameters():
