@@ -36,6 +36,13 @@ OFFICIAL_DEEPSEEK_V3_KEYS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "sc
 """Keys of DeepSeek-V3's published config.json that SGLang reads and transformers' DeepseekV3Config does not
 define: the tiny checkpoints (saved from that class) lack them."""
 
+SGLANG_CONFIG_CLASSES = {
+    "qwen3_next": ("sglang.srt.configs.qwen3_next", "Qwen3NextConfig"),
+    "qwen3_5_moe_text": ("sglang.srt.configs.qwen3_5", "Qwen3_5MoeTextConfig"),
+}
+"""Families whose SGLang model reads SGLang's own config class (the hybrid GDN layers' `layers_block_type`), as
+SGLang's config registry gives it for these model_types."""
+
 
 def build_sglang_model(model_dir: str, quantization: dict | None = None, tp: int = 1, rank: int = 0):
     """SGLang's model class for the checkpoint, on CPU; `tp` > 1: this process is rank `rank` of a gloo world of
@@ -59,10 +66,10 @@ def build_sglang_model(model_dir: str, quantization: dict | None = None, tp: int
     # SGLang's GPU rotary embedding checks for a GPU (yarn RoPE), whose CPU path in turn requires a rope scaling
     rope_scaling = getattr(config, "rope_scaling", None) or {}
     device = "cpu" if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default" else "cuda"
-    # Qwen3-Next's GDN layers: SGLang's default mamba cache snapshots need a GPU platform; its no_buffer strategy
-    # runs without the overlap schedule
+    # Qwen3-Next's and Qwen3.5's GDN layers: SGLang's default mamba cache snapshots need a GPU platform; its
+    # no_buffer strategy runs without the overlap schedule
     hybrid = {"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True}
-    extra = hybrid if config.model_type == "qwen3_next" else {}
+    extra = hybrid if config.model_type in SGLANG_CONFIG_CLASSES else {}
     server_args = ServerArgs(model_path=model_dir, device=device, dtype="float32", tp_size=tp, **extra)
     parallel_state.init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo")
     reset_context()
@@ -75,10 +82,12 @@ def build_sglang_model(model_dir: str, quantization: dict | None = None, tp: int
         for key, value in OFFICIAL_DEEPSEEK_V3_KEYS.items():
             if not hasattr(config, key):
                 setattr(config, key, value)
-    if config.model_type == "qwen3_next":  # SGLang's own config class: layer kinds from full_attention_interval
-        from sglang.srt.configs.qwen3_next import Qwen3NextConfig
+    if config.model_type in SGLANG_CONFIG_CLASSES:  # SGLang's own config class: layer kinds from
+        # full_attention_interval
+        import importlib
 
-        config = Qwen3NextConfig.from_pretrained(model_dir)
+        module, cls = SGLANG_CONFIG_CLASSES[config.model_type]
+        config = getattr(importlib.import_module(module), cls).from_pretrained(model_dir)
     model_cls, _ = ModelRegistry.resolve_model_cls(config.architectures)
     torch.set_default_dtype(torch.float32)
     if quantization is None:

@@ -20,7 +20,10 @@ def hf_config(name: str, **overrides):
 
 
 def test_unknown_model_type_lists_the_supported_ones():
-    supported = "deepseek_v3, glm4_moe, gpt_oss, kimi_k2, llama, mixtral, qwen2, qwen3, qwen3_moe, qwen3_next"
+    supported = (
+        "deepseek_v3, glm4_moe, gpt_oss, kimi_k2, llama, mixtral, qwen2, qwen3, qwen3_5_moe, qwen3_5_moe_text, "
+        "qwen3_moe, qwen3_next"
+    )
     with pytest.raises(UserError, match=f"model_type='gpt2' is not supported; supported: {supported}"):
         get_architecture("gpt2")
     assert supported_model_types() == supported.split(", ")

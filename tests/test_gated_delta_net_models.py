@@ -1,17 +1,22 @@
-"""Qwen3-Next (model_type qwen3_next): its own pieces checked against transformers' modules, and the whole model at
-every parallel layout.
+"""The Gated DeltaNet families, Qwen3-Next (model_type qwen3_next) and Qwen3.5 MoE (qwen3_5_moe, its text part
+qwen3_5_moe_text): their own pieces checked against transformers' modules, and the whole models at every parallel
+layout. Both are built from the same Megatron modules; Qwen3.5 stores the GDN input projection as four tensors in
+Megatron's own order, has no dense layers, and ships as a vision-language checkpoint (language model under
+`model.language_model.`, vision tower and MTP block carried through unchanged).
 
 - megarl's Gated DeltaNet (the PyTorch path Megatron-Core lacks: its own module needs FLA's Triton kernels) against
-  transformers' `Qwen3NextGatedDeltaNet` on the same weights, mapped by the weight table's own rows; the chunked
-  delta rule against the plain per-step recurrence in float64; packed samples (THD) exactly as each sample alone,
-  shared prompts included.
-- The gated q_proj and the per-key-head GDN projections: mappings invert bit for bit and split by heads at TP=2.
-- The whole Megatron model's logits against transformers' at TP=1, TP=2, PP=2 (even and uneven), EP=2; bit-exact
-  hf -> mcore -> hf round trips and `megarl convert --verify` at those layouts.
+  each family's transformers layer on the same weights, mapped by the weight table's own rows; the chunked delta
+  rule against the plain per-step recurrence in float64; packed samples (THD) exactly as each sample alone, shared
+  prompts included; gradients, at TP=1 and TP=2 (Qwen3-Next: the layer is the same module in both families).
+- The gated q_proj and both GDN in_proj layouts: mappings invert bit for bit and split by heads at TP=2.
+- The whole Megatron model's logits against transformers' at TP=1, TP=2, PP=2 (even and uneven), EP=2, VPP=2;
+  bit-exact hf -> mcore -> hf round trips and `megarl convert --verify` (Qwen3.5: from its vision-language
+  checkpoint, back to it bit for bit); the training checkpoint resharded at another layout (Qwen3-Next).
 - Settings Megatron would compute differently, and layouts the GDN cannot run, refused before any weight is read.
 
-The shared checks (routing, routing replay, the hf engine's weight sync, SGLang's loader, packed micro-batches'
-log-probs and updates against padded ones, parameter counts) list tiny-qwen3-next in their own files.
+The shared checks (routing, routing replay, the hf engine's weight sync, SGLang's loader, a GRPO run; for Qwen3-Next
+also packed micro-batches' log-probs and updates against padded ones and parameter counts) list the tiny models in
+their own files.
 """
 
 from __future__ import annotations
@@ -32,11 +37,43 @@ from megarl.runtime.parallel import ParallelConfig as P
 from megarl.testing.tiny_checkpoint import tiny_config
 
 VOCAB = VocabInfo(1000, 1024)
-NAME = "tiny-qwen3-next"
+NEXT, QWEN35 = "tiny-qwen3-next", "tiny-qwen3.5-moe"
+FAMILIES = [NEXT, QWEN35]
+GDN_CLASSES = {  # transformers' layer of each family: module, class
+    NEXT: ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),
+    QWEN35: ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
+}
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
+"""A one-block vision tower for the tiny Qwen3.5 vision-language checkpoint (its tensors are only carried)."""
+
+
+def family_config(name: str = NEXT, **overrides):
+    return config_from_dict({**tiny_config(name), **overrides})
+
+
+def architecture(name: str):
+    return get_architecture(tiny_config(name)["model_type"])
 
 
 def next_config(**overrides):
-    return config_from_dict({**tiny_config(NAME), **overrides})
+    return family_config(NEXT, **overrides)
+
+
+@pytest.fixture(scope="module")
+def vision_language_checkpoint(tmp_path_factory):
+    """Qwen3.5 as published: transformers' vision-language class saved (language model under
+    `model.language_model.`, a vision tower under `model.visual.`, config.json's text_config), plus an MTP block
+    tensor (`mtp.*`, which transformers' class does not build)."""
+    from safetensors.torch import load_file, save_file
+
+    from megarl.testing.tiny_checkpoint import make_hf_checkpoint
+
+    raw = {"model_type": "qwen3_5_moe", "text_config": tiny_config(QWEN35), "vision_config": VISION}
+    folder = make_hf_checkpoint(raw, tmp_path_factory.mktemp("qwen3.5-vl") / "src")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["mtp.fc.weight"] = torch.randn(64, 128)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -76,17 +113,19 @@ def test_chunked_delta_rule_is_the_recurrence():
     assert (chunked_gated_delta_rule(q, k, v, g, beta, chunk=7) - expected).abs().max().item() < 1e-12
 
 
-def hf_and_megarl_gdn(hf_config, seed: int = 0, tp_rank: int = 0, tp_size: int = 1):
-    """transformers' GDN layer (random weights, 1-D ones moved off their init) and megarl's with the same weights,
-    mapped by the weight table's rows (TP rank `tp_rank` of `tp_size`'s shard of them)."""
+def hf_and_megarl_gdn(hf_config, seed: int = 0, tp_rank: int = 0, tp_size: int = 1, family: str = NEXT):
+    """transformers' GDN layer of `family` (random weights, 1-D ones moved off their init) and megarl's with the same
+    weights, mapped by the weight table's rows (TP rank `tp_rank` of `tp_size`'s shard of them)."""
+    import importlib
+
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
     from megarl.models.gated_delta_net import GatedDeltaNet, gated_delta_net_spec
     from megarl.models.linear_attention import hybrid_config
 
+    module, cls = GDN_CLASSES[family]
     torch.manual_seed(seed)
-    hf = Qwen3NextGatedDeltaNet(hf_config, 0)
+    hf = getattr(importlib.import_module(module), cls)(hf_config, 0)
     with torch.no_grad():
         for name, param in hf.named_parameters():
             if param.dim() == 1:
@@ -106,7 +145,7 @@ def hf_and_megarl_gdn(hf_config, seed: int = 0, tp_rank: int = 0, tp_size: int =
         **fields,
     )
     ours = GatedDeltaNet(config, gated_delta_net_spec(use_te=False).submodules, layer_number=1)
-    table = get_architecture("qwen3_next").mappings(hf_config)
+    table = architecture(family).mappings(hf_config)
     rows = {m.mcore.split("self_attention.")[1]: m for m in table if "self_attention." in m.mcore}
     hf_params = dict(hf.named_parameters())
     with torch.no_grad():
@@ -119,10 +158,12 @@ def hf_and_megarl_gdn(hf_config, seed: int = 0, tp_rank: int = 0, tp_size: int =
     return hf.eval(), ours.eval()
 
 
-def test_gated_delta_net_equals_transformers(megatron_state):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gated_delta_net_equals_transformers(megatron_state, family):
     """Three chunks' worth of positions, two value heads per key head: transformers' layer (its own PyTorch
-    fallbacks, computed in fp32) and megarl's, fp32, on the same weights."""
-    hf, ours = hf_and_megarl_gdn(next_config())
+    fallbacks, computed in fp32) and megarl's, fp32, on the same weights (Qwen3.5's: its four input projections
+    concatenated into Megatron's in_proj)."""
+    hf, ours = hf_and_megarl_gdn(family_config(family), family=family)
     x = torch.randn(2, 150, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(x)
@@ -250,6 +291,26 @@ def test_gdn_projections_group_by_kind_and_split_by_key_heads():
     assert torch.equal(conv.unshard([conv.shard(weight, r, 2) for r in range(2)]), weight)
 
 
+def test_split_gdn_projections_concatenate_and_split_by_kind():
+    """Qwen3.5: in_proj_qkv [q; k; v], in_proj_z, in_proj_b and in_proj_a are Megatron's in_proj in its own order;
+    TP rank r holds the r-th part of each kind (q, k, v, z, b, a), so its heads' rows of all four tensors."""
+    hf_config = family_config(QWEN35)
+    rows = {m.mcore.split("self_attention.")[-1]: m for m in architecture(QWEN35).mappings(hf_config)}
+    in_proj = rows["in_proj.weight"]
+    assert [h.split("linear_attn.")[1] for h in in_proj.hf] == [
+        f"in_proj_{kinds}.weight" for kinds in ("qkv", "z", "b", "a")
+    ]
+    qkv, z, b, a = torch.randn(2 * 32 + 64, 64), torch.randn(64, 64), torch.randn(4, 64), torch.randn(4, 64)
+    full = in_proj.hf_to_mcore([qkv, z, b, a], VOCAB)
+    assert torch.equal(full, torch.cat([qkv, z, b, a]))
+    assert all(torch.equal(x, y) for x, y in zip(in_proj.mcore_to_hf(full, VOCAB), [qkv, z, b, a]))
+    # rank 1 of 2: key head 1's q and k rows, value heads 2 and 3's v and z rows, their b and a
+    q, k, v = qkv.split([32, 32, 64])
+    expected = torch.cat([q[16:], k[16:], v[32:], z[32:], b[2:], a[2:]])
+    assert torch.equal(in_proj.shard(full, 1, 2), expected)
+    assert torch.equal(in_proj.unshard([in_proj.shard(full, r, 2) for r in range(2)]), full)
+
+
 # ---- the whole model ---------------------------------------------------------------------------------------------
 
 LAYOUTS = [
@@ -266,8 +327,11 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_logits_match_hf(ranks4, hf_reference, layout):
-    folder, ids, expected = hf_reference(NAME, batch=4)  # 192 tokens: every expert gets some
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_match_hf(ranks4, hf_reference, name, layout):
+    """Qwen3.5's RoPE is mRoPE (config.json `mrope_section`, set in the tiny config): text positions are the same on
+    its three axes, where it is 1-D RoPE over the rotated part of each head, as Megatron computes it."""
+    folder, ids, expected = hf_reference(name, batch=4)  # 192 tokens: every expert gets some
     logits = one_result(ranks4.run(megatron_logits, str(folder), layout, ids))
     diff = (logits - expected).abs().max().item()
     print(f"largest logit difference at {layout_id(layout)}: {diff:.2e}")
@@ -275,18 +339,20 @@ def test_logits_match_hf(ranks4, hf_reference, layout):
 
 
 @pytest.mark.parametrize("layout", [P(tp=2, pp=2), P(tp=2, ep=2, etp=1), P(tp=2, pp=2, ep=2, etp=1)], ids=layout_id)
-def test_round_trip_is_bit_exact(ranks1, hf_checkpoint, tmp_path, layout):
-    src = hf_checkpoint(NAME, torch.bfloat16, max_shard_size="100KB")
+@pytest.mark.parametrize("name", FAMILIES)
+def test_round_trip_is_bit_exact(ranks1, hf_checkpoint, tmp_path, name, layout):
+    src = hf_checkpoint(name, torch.bfloat16, max_shard_size="100KB")
     mcore, back = round_trip(ranks1, src, tmp_path, layout, read_group_bytes=40_000)
     assert_same_checkpoint(src, back)
     assert json.loads((mcore / "megarl.json").read_text())["layout"]["tp"] == 2
 
 
 @pytest.mark.parametrize("layout", [P(tp=2, pp=2, ep=2, etp=1), P(tp=2, ep=2), P(ep=4)], ids=layout_id)
-def test_export_from_the_live_model_equals_the_checkpoint(ranks4, hf_checkpoint, layout):
+@pytest.mark.parametrize("name", FAMILIES)
+def test_export_from_the_live_model_equals_the_checkpoint(ranks4, hf_checkpoint, name, layout):
     """What a weight sync sends: each HF tensor once, rebuilt from every TP rank's share of the GDN projections (cut
     per kind: q, k, v, z, b, a) and the gated q_proj, equal to the checkpoint's."""
-    assert_export_is_the_checkpoint(ranks4, hf_checkpoint(NAME, torch.bfloat16), layout)
+    assert_export_is_the_checkpoint(ranks4, hf_checkpoint(name, torch.bfloat16), layout)
 
 
 @pytest.mark.parametrize("resumed_at", [P(pp=2, ep=2), P(ep=4)], ids=layout_id)
@@ -298,7 +364,7 @@ def test_training_checkpoint_resumes_at_another_layout(ranks4, hf_checkpoint, tm
 
     from megarl.algorithms.aggregation import loss_weights
 
-    folder = str(hf_checkpoint(NAME))
+    folder = str(hf_checkpoint(NEXT))
     batch = random_batch(8, vocab_size=1000, seed=5)
     weights = loss_weights("token-mean", batch["response_mask"])
     saved_at = P(ep=2)
@@ -315,12 +381,51 @@ def test_convert_verify_passes(hf_checkpoint, tmp_path):
     one CLI run of 4 ranks instead of three of 2; each split alone passes too: 2.09e-7 to 2.38e-7 on 2026-11-28)."""
     from test_cli import megarl, verified
 
-    src, dst = hf_checkpoint(NAME), tmp_path / "mcore"
+    src, dst = hf_checkpoint(NEXT), tmp_path / "mcore"
     layout = ["--tp", "2", "--pp", "2", "--pp-first-stage-layers", "3", "--ep", "2", "--etp", "1"]
     out = megarl("convert", "--from", "hf", "--to", "mcore", str(src), str(dst), *layout, "--no-progress", "--verify")
     diff, top1 = verified(out.stdout)
     assert diff < 1e-4 and top1 == 100.0
     assert "tp=2 pp=2 vpp=1 pp_first_stage_layers=3 ep=2 etp=1 on 4 ranks" in out.stdout
+
+
+def test_vision_language_checkpoint_converts_and_comes_back_bit_for_bit(ranks1, vision_language_checkpoint, tmp_path):
+    """Qwen3.5 as published: `megarl convert --verify` reads the language model (config.json's text_config, tensors
+    under `model.language_model.`) and compares it with transformers' Qwen3_5MoeForCausalLM loading the same folder;
+    the vision tower and the MTP block are carried, and converting back gives the folder again, bit for bit."""
+    from test_cli import megarl, verified
+
+    from megarl.conversion.mcore_to_hf import convert_mcore_to_hf
+
+    src, mcore, back = vision_language_checkpoint, tmp_path / "mcore", tmp_path / "back"
+    layout = ["--tp", "2", "--ep", "2", "--etp", "1"]  # 2 ranks: the layouts are the logits test's above
+    out = megarl("convert", "--from", "hf", "--to", "mcore", str(src), str(mcore), *layout, "--no-progress", "--verify")
+    diff, top1 = verified(out.stdout)
+    assert diff < 1e-4 and top1 == 100.0
+    assert (
+        "note: carried 22 tensors the Megatron model does not use through unchanged (the vision tower: model.visual.*; "
+        "multi-token prediction: mtp.fc.*): converting back restores them"
+    ) in out.stdout
+    ranks1.run(convert_mcore_to_hf, str(mcore), str(back), read_group_bytes=40_000, show_progress=False)
+    assert_same_checkpoint(src, back)
+    assert json.loads((back / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+
+
+def test_weight_sync_from_the_vision_language_checkpoint_sends_text_names(ranks4, vision_language_checkpoint):
+    """Trained from the published folder, the model syncs under the text model's names (`model.layers.*`), which
+    both SGLang classes load (its Qwen3_5MoeForCausalLM only these; the vision-language class maps
+    `model.language_model.` onto them) and the hf engine's Qwen3_5MoeForCausalLM holds; nothing of the vision tower
+    or the MTP block travels."""
+    from helpers import exported_weights
+
+    from megarl.bridge.safetensors_io import HFCheckpoint
+
+    results = ranks4.run(exported_weights, str(vision_language_checkpoint), P(tp=2, ep=2), 64 * 1024)
+    sent = dict(item for tensors, _ in results for item in tensors)
+    stored = HFCheckpoint(vision_language_checkpoint)
+    language = [n for n in stored.names if not n.startswith(("model.visual.", "mtp."))]
+    assert sorted(sent) == sorted(n.replace("model.language_model.", "model.") for n in language)
+    assert all(torch.equal(sent[n.replace("model.language_model.", "model.")], stored.get(n)) for n in language)
 
 
 # ---- refusals ----------------------------------------------------------------------------------------------------
@@ -332,16 +437,17 @@ def test_convert_verify_passes(hf_checkpoint, tmp_path):
         ({"layer_types": ["linear_attention"] * 3}, "must name each of the 4 layers"),
         ({"layer_types": ["linear_attention", "sliding_attention"] * 2}, "'linear_attention' or 'full_attention'"),
         ({"linear_num_value_heads": 3}, "linear_num_value_heads=3 must be a multiple of linear_num_key_heads=2"),
-        ({"attention_bias": True}, "attention_bias=True is not supported for qwen3_next: the published checkpoints"),
+        ({"attention_bias": True}, "attention_bias=True is not supported for {arch}: the published checkpoints"),
     ],
     ids=["layer-count", "layer-type", "value-heads", "attention-bias"],
 )
-def test_settings_megatron_would_compute_differently_are_refused(overrides, message):
-    hf_config = next_config()
+@pytest.mark.parametrize("name", FAMILIES)
+def test_settings_megatron_would_compute_differently_are_refused(name, overrides, message):
+    hf_config = family_config(name)
     for key, value in overrides.items():
         setattr(hf_config, key, value)
-    with pytest.raises(UserError, match=message):
-        get_architecture("qwen3_next").check_supported(hf_config)
+    with pytest.raises(UserError, match=message.format(arch=architecture(name).name)):
+        architecture(name).check_supported(hf_config)
 
 
 @pytest.mark.parametrize(
@@ -352,9 +458,10 @@ def test_settings_megatron_would_compute_differently_are_refused(overrides, mess
     ],
     ids=["tp-key-heads", "cp"],
 )
-def test_layouts_the_gdn_cannot_run_are_refused(layout, message):
-    with pytest.raises(UserError, match=message):
-        check_parallel_layout(get_architecture("qwen3_next"), next_config(), layout, prefix="--")
+@pytest.mark.parametrize("name", FAMILIES)
+def test_layouts_the_gdn_cannot_run_are_refused(name, layout, message):
+    with pytest.raises(UserError, match=message.replace("qwen3_next", architecture(name).name)):
+        check_parallel_layout(architecture(name), family_config(name), layout, prefix="--")
 
 
 @pytest.mark.parametrize(
@@ -370,12 +477,15 @@ def test_layouts_the_gdn_cannot_run_are_refused(layout, message):
     ],
     ids=["tiny", "published", "other-interval", "zero-interval"],
 )
-def test_sglang_serves_only_the_layer_kinds_it_derives(overrides, served):
-    hf_config = next_config()
+@pytest.mark.parametrize("name", FAMILIES)
+def test_sglang_serves_only_the_layer_kinds_it_derives(name, overrides, served):
+    """SGLang 0.5.23 derives both families' layer kinds from full_attention_interval (its Qwen3_5TextConfig is its
+    Qwen3NextConfig)."""
+    hf_config = family_config(name)
     for key, value in overrides.items():
         setattr(hf_config, key, value)
     if served:
-        get_architecture("qwen3_next").check_sglang_supported(hf_config)
+        architecture(name).check_sglang_supported(hf_config)
     else:
         with pytest.raises(UserError, match=r"model.path: config.json full_attention_interval=.* cannot be served"):
-            get_architecture("qwen3_next").check_sglang_supported(hf_config)
+            architecture(name).check_sglang_supported(hf_config)

@@ -25,7 +25,8 @@ pytestmark = [
 
 ARCHITECTURES = [
     *("tiny-qwen3", "tiny-llama", "tiny-qwen2", "tiny-mixtral", "tiny-qwen3-moe", "tiny-deepseek-v3"),
-    *("tiny-glm4-moe", "tiny-gpt-oss", "tiny-qwen3-next"),  # the kit's `families` step (not in its default run)
+    *("tiny-glm4-moe", "tiny-gpt-oss", "tiny-qwen3-next", "tiny-qwen3.5-moe"),  # the kit's `extras` step (not in
+    # its default run)
 ]
 
 

@@ -29,6 +29,7 @@ ARCHITECTURES = [
     "tiny-glm4-moe",  # DeepSeek-V3's MoE behind q/k/v biases and qk-norm
     "tiny-gpt-oss",  # experts stacked in the checkpoint (mlp.experts.gate_up_proj [experts, ...]), sinks, biases
     "tiny-qwen3-next",  # Gated DeltaNet layers (linear_attn.*), gated q_proj, shared expert with its gate
+    "tiny-qwen3.5-moe",  # the GDN's in_proj_qkv/z/b/a; experts.E.* -> fused (transformers' own conversion)
 ]
 
 

@@ -39,7 +39,7 @@ def megatron_counts(name: str, parallel: P) -> tuple[int, int]:
 
 TINY = ["tiny-llama", "tiny-llama-bias", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe"]
 TINY += ["tiny-deepseek-v3", "tiny-deepseek-v3-lite", "tiny-glm4-moe", "tiny-gpt-oss"]
-TINY += ["tiny-qwen3-next"]  # Gated DeltaNet layers, gated attention, a gated shared expert
+TINY += ["tiny-qwen3-next", "tiny-qwen3.5-moe"]  # Gated DeltaNet layers, gated attention, a gated shared expert
 
 
 @pytest.mark.parametrize("name", TINY)

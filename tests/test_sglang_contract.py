@@ -183,7 +183,7 @@ def test_update_weights_from_tensor_body_carries_bytes_per_rank():
 
 ARCHITECTURES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe-all-sparse",
                  "tiny-deepseek-v3", "tiny-deepseek-v3-lite", "tiny-glm4-moe", "tiny-kimi-k2",
-                 "tiny-gpt-oss", "tiny-qwen3-next"]  # fmt: skip
+                 "tiny-gpt-oss", "tiny-qwen3-next", "tiny-qwen3.5-moe"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

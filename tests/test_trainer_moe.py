@@ -9,23 +9,26 @@ from job_helpers import megarl_train, metrics, write_config
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("mode", "replayed", "model"),
+    ("mode", "replayed", "model", "num_steps"),
     [
-        ("old_logprob", 1.0, "tiny-qwen3-moe"),
-        ("off", 0.0, "tiny-glm4-moe"),
-        ("rollout", 1.0, "tiny-gpt-oss"),
-        ("rollout", 1.0, "tiny-qwen3-next"),
+        ("old_logprob", 1.0, "tiny-qwen3-moe", 3),
+        ("off", 0.0, "tiny-glm4-moe", 3),
+        ("rollout", 1.0, "tiny-gpt-oss", 3),
+        ("rollout", 1.0, "tiny-qwen3-next", 3),
+        # Qwen3.5: Qwen3-Next's layers (one step: the sync of updated weights is the other families' check)
+        ("rollout", 1.0, "tiny-qwen3.5-moe", 1),
     ],
 )
-def test_routing_replay_modes_log_agreement_and_replayed_fraction(tmp_path, mode, replayed, model):
+def test_routing_replay_modes_log_agreement_and_replayed_fraction(tmp_path, mode, replayed, model, num_steps):
     """routing_replay: rollout (the engine's experts) runs in tests/test_examples.py (configs/quickstart_moe.yaml,
-    the same checks) and in test_async_one_step_off_replays_the_routing_of_every_sample below. GLM-4.5's, gpt-oss's and
-    Qwen3-Next's runs are their families' end-to-end training: transformers' engine and Megatron's actor route every
-    token alike (Qwen3-Next: gated delta net layers in both, megarl's own PyTorch path in Megatron)."""
+    the same checks) and in test_async_one_step_off_replays_the_routing_of_every_sample below. GLM-4.5's, gpt-oss's,
+    Qwen3-Next's and Qwen3.5's runs are their families' end-to-end training: transformers' engine and Megatron's actor
+    route every token alike (Qwen3-Next, Qwen3.5: gated delta net layers in both, megarl's own PyTorch path in
+    Megatron)."""
     extra = f"algorithm: {{routing_replay: {mode}}}"
-    megarl_train(write_config(tmp_path, "[grpo]", 3, extra, model=model, ep=2))
+    megarl_train(write_config(tmp_path, "[grpo]", num_steps, extra, model=model, ep=2))
     steps = metrics(tmp_path / "run")
-    assert len(steps) == 3
+    assert len(steps) == num_steps
     for step in steps:
         assert step["rollout/routing_replayed"] == replayed
         # fp32 engine and fp32 trainer after an exact weight sync: the same experts for every token

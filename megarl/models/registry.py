@@ -27,6 +27,20 @@ DEEPSEEK_V3_MOE = MoE(
 """DeepSeek-V3's routing (sigmoid scores, a selection bias, group-limited top-k, scaled weights), first k layers dense,
 shared experts: also GLM-4.5's, whose HF router is the same code."""
 
+QWEN3_NEXT_MOE = MoE(
+    num_experts_key="num_experts",
+    sparse_layers=qwen_sparse_layers,
+    shared_expert_ffn_key="shared_expert_intermediate_size",
+    hf_shared_experts="shared_expert",
+    shared_expert_gate=True,
+)
+"""Qwen3-Next's experts: softmax top-k, one shared expert of its own width behind a sigmoid gate; also Qwen3.5's
+(whose config has no mlp_only_layers, decoder_sparse_step or norm_topk_prob: every layer sparse, top-k always
+renormalized, as the defaults read)."""
+
+_MTP = {r"^mtp\.": "multi-token prediction"}
+"""The published Qwen3-Next and Qwen3.5 checkpoints' MTP block (`mtp.*`), which transformers does not load either."""
+
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch
     for arch in [
@@ -92,14 +106,21 @@ ARCHITECTURES: dict[str, Architecture] = {
             ("qwen3_next",),
             qk_norm=True,
             hybrid_linear_attention=True,
-            moe=MoE(
-                num_experts_key="num_experts",
-                sparse_layers=qwen_sparse_layers,
-                shared_expert_ffn_key="shared_expert_intermediate_size",
-                hf_shared_experts="shared_expert",
-                shared_expert_gate=True,
-            ),
+            moe=QWEN3_NEXT_MOE,
             unsupported={"attention_bias": _GATED_BIAS},
+            carried_hf_tensors=_MTP,
+        ),
+        Architecture(
+            "qwen3_5_moe",
+            # the published vision-language checkpoints (hf_config.VISION_LANGUAGE: their language model) and
+            # text-only ones
+            ("qwen3_5_moe", "qwen3_5_moe_text"),
+            qk_norm=True,
+            hybrid_linear_attention=True,
+            gdn_split_in_proj=True,
+            moe=QWEN3_NEXT_MOE,
+            unsupported={"attention_bias": _GATED_BIAS},
+            carried_hf_tensors={r"^model\.visual\.": "the vision tower", **_MTP},
         ),
     ]
 }
