@@ -98,12 +98,12 @@ STEPS = (
     Step("bench-refit", 30, "0.5 B colocated sync: CUDA IPC, object store, device copy", script="gpu_refit.py"),
     Step(
         "extras",
-        135,
-        "one colocated PPO step (actor and critic); bf16 parity of GLM-4.5, gpt-oss and Qwen3-Next (its Gated DeltaNet "
-        "on CUDA): not in the default run",
+        165,
+        "one colocated PPO step (actor and critic); bf16 parity of GLM-4.5, gpt-oss, Qwen3-Next and Qwen3.5 (their "
+        "Gated DeltaNet on CUDA): not in the default run",
         nodes=(
             COLOCATED.format("ppo"),
-            *(PARITY.format(n) for n in ("tiny-glm4-moe", "tiny-gpt-oss", "tiny-qwen3-next")),
+            *(PARITY.format(n) for n in ("tiny-glm4-moe", "tiny-gpt-oss", "tiny-qwen3-next", "tiny-qwen3.5-moe")),
         ),
         per_test_s=80,
         default=False,
