@@ -13,7 +13,7 @@ import pytest
 
 from megarl.checkpoint.staging import staged_folder
 from megarl.errors import UserError
-from megarl.runtime.distributed import find_free_port
+from megarl.runtime.ports import find_free_port
 from megarl.runtime.rank_pool import RankFailure, RankPool
 
 # ---- CPU compatibility layer (checked inside a rank process, where it is active) ------------------------------

@@ -28,6 +28,7 @@ from typing import Any
 
 from megarl.rollout.config import DELTA_LOADER, MANAGED_ARGS, SGLangEngineConfig
 from megarl.rollout.sglang_client import SGLangClient, SGLangError
+from megarl.runtime.ports import find_free_port
 
 __all__ = [
     "MANAGED_ARGS",
@@ -195,13 +196,6 @@ def build_server_env(
     env.update(ENV_SET)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on `host` (another process may still take it before it is used)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def url_of(host: str, port: int) -> str:

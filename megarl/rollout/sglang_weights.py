@@ -354,7 +354,7 @@ class SGLangWeightSender:
         if self.group is not None:
             return
         if self.master_port == 0:
-            from megarl.rollout.sglang_server import find_free_port
+            from megarl.runtime.ports import find_free_port
 
             self.master_port = find_free_port(self.master_address)
         futures = [

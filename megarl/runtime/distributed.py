@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,12 +23,6 @@ class DistInfo:
     world_size: int
     local_rank: int
     backend: str
-
-
-def find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def default_backend() -> str:

@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from megarl.runtime.distributed import find_free_port
+from megarl.runtime.ports import find_free_port
 
 MAX_RANK_THREADS = 400
 """A rank holding more threads than this after a call is restarted before the next one (see _num_threads). A
