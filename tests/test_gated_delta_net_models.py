@@ -398,10 +398,11 @@ def test_vision_language_checkpoint_converts_and_comes_back_bit_for_bit(ranks1, 
     from megarl.conversion.mcore_to_hf import convert_mcore_to_hf
 
     src, mcore, back = vision_language_checkpoint, tmp_path / "mcore", tmp_path / "back"
-    layout = ["--tp", "2", "--ep", "2", "--etp", "1"]  # 2 ranks: the layouts are the logits test's above
+    layout = ["--tp", "2", "--pp", "2", "--pp-first-stage-layers", "3", "--ep", "2", "--etp", "1"]  # every split
     out = megarl("convert", "--from", "hf", "--to", "mcore", str(src), str(mcore), *layout, "--no-progress", "--verify")
     diff, top1 = verified(out.stdout)
     assert diff < 1e-4 and top1 == 100.0
+    assert "tp=2 pp=2 vpp=1 pp_first_stage_layers=3 ep=2 etp=1 on 4 ranks" in out.stdout
     assert (
         "note: carried 22 tensors the Megatron model does not use through unchanged (the vision tower: model.visual.*; "
         "multi-token prediction: mtp.fc.*): converting back restores them"
