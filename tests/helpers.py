@@ -65,6 +65,15 @@ def megatron_logits(path: str, layout: tuple[int, int, int], input_ids: torch.Te
 
 def exported_weights(path: str, layout: tuple[int, int, int], bucket_bytes: int, dtype: str = "float32"):
     """Load at `layout` and export: (list of (name, tensor) this rank sent, sizes of its buckets)."""
+    sent, bucket_sizes, _ = exported_weights_and_parts(path, layout, bucket_bytes, dtype, with_parts=False)
+    return sent, bucket_sizes
+
+
+def exported_weights_and_parts(
+    path: str, layout, bucket_bytes: int, dtype: str = "float32", with_parts: bool = True
+) -> tuple[list, list, list]:
+    """`exported_weights`, and what this rank sends of the same model to an engine that takes parts of tensors
+    (export_hf_weights(parts=True): each TP rank its own parts, no gather)."""
     from megarl.bridge.exporter import export_hf_weights
     from megarl.checkpoint.model_io import load_model
     from megarl.runtime.distributed import init_model_parallel
@@ -72,24 +81,49 @@ def exported_weights(path: str, layout: tuple[int, int, int], bucket_bytes: int,
     parallel = as_parallel(layout)
     init_model_parallel(parallel)
     model = load_model(path, parallel, getattr(torch, dtype))
-    sent, bucket_sizes = [], []
+    sent, bucket_sizes, parts = [], [], []
     for bucket in export_hf_weights(model.bridge, model.hf_dtypes, bucket_bytes=bucket_bytes):
         sent += [(name, tensor.clone()) for name, tensor in bucket]
         bucket_sizes.append([tensor.nbytes for _, tensor in bucket])
-    return sent, bucket_sizes
+    if with_parts:
+        for bucket in export_hf_weights(model.bridge, model.hf_dtypes, bucket_bytes=bucket_bytes, parts=True):
+            parts += [(name, tensor.clone()) for name, tensor in bucket]
+    return sent, bucket_sizes, parts
+
+
+def assert_parts_rebuild(parts: list, expected: dict[str, torch.Tensor]) -> set[str]:
+    """Every rank's whole tensors and parts (`part_name`), written into their slices, cover each expected tensor
+    exactly once and give it bit for bit. Returns the names of the tensors that came in parts."""
+    from megarl.bridge.buckets import split_part_name
+
+    rebuilt = {name: torch.zeros_like(t) for name, t in expected.items()}
+    writes = {name: torch.zeros(t.shape, dtype=torch.int32) for name, t in expected.items()}
+    in_parts = set()
+    for entry, tensor in parts:
+        name, (dim, start, stop) = split_part_name(entry) or (entry, (0, 0, expected[entry].shape[0]))
+        in_parts.update([name] if entry != name else [])
+        assert tensor.dtype == expected[name].dtype, entry
+        rebuilt[name].narrow(dim, start, stop - start).copy_(tensor)
+        writes[name].narrow(dim, start, stop - start).add_(1)
+    for name, tensor in expected.items():
+        assert bool((writes[name] == 1).all()), f"{name}: not covered exactly once"
+        assert torch.equal(rebuilt[name], tensor), name
+    return in_parts
 
 
 def assert_export_is_the_checkpoint(ranks, folder, layout) -> None:
     """What a weight sync from `layout` sends (every rank's buckets, bf16): each HF tensor of the checkpoint at
-    `folder` exactly once, equal to it."""
+    `folder` exactly once, equal to it; and so do the parts each TP rank sends of its own shards (no gather)."""
     from megarl.bridge.safetensors_io import HFCheckpoint
 
-    results = ranks.run(exported_weights, str(folder), layout, 64 * 1024, "bfloat16")
-    sent = [item for tensors, _ in results for item in tensors]
+    results = ranks.run(exported_weights_and_parts, str(folder), layout, 64 * 1024, "bfloat16")
+    sent = [item for tensors, _, _ in results for item in tensors]
     names = [name for name, _ in sent]
     original = HFCheckpoint(folder)
     assert len(names) == len(set(names)) and set(names) == set(original.names)
     assert all(torch.equal(tensor, original.get(name)) for name, tensor in sent)
+    in_parts = assert_parts_rebuild([item for _, _, parts in results for item in parts], dict(sent))
+    assert bool(in_parts) == (as_parallel(layout).tp > 1)
 
 
 def exported_bucket_names(path: str, layout: tuple[int, int, int], bucket_bytes: int) -> list[list[str]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import LAYOUTS, exported_weights, layout_id, megatron_logits, one_result
+from helpers import LAYOUTS, assert_parts_rebuild, exported_weights_and_parts, layout_id, megatron_logits, one_result
 
 from megarl.bridge.safetensors_io import HFCheckpoint
 
@@ -29,10 +29,12 @@ def test_megatron_logits_match_hf(ranks4, hf_reference, name, layout):
 )
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_export_from_live_model_reproduces_checkpoint(ranks4, hf_checkpoint, name, layout, model_dtype):
+    """The export, gathered to one sender per TP group or in parts from every TP rank, gives back the checkpoint's
+    tensors bit for bit."""
     folder = hf_checkpoint(name, torch.bfloat16, max_shard_size="100KB")
-    results = ranks4.run(exported_weights, str(folder), layout, BUCKET_BYTES, model_dtype)
+    results = ranks4.run(exported_weights_and_parts, str(folder), layout, BUCKET_BYTES, model_dtype)
 
-    sent = [item for tensors, _ in results for item in tensors]
+    sent = [item for tensors, _, _ in results for item in tensors]
     names = [name for name, _ in sent]
     assert len(names) == len(set(names)), "a tensor was sent twice"
     original = HFCheckpoint(folder)
@@ -41,6 +43,9 @@ def test_export_from_live_model_reproduces_checkpoint(ranks4, hf_checkpoint, nam
         expected = original.get(name)
         assert tensor.dtype == expected.dtype, name
         assert torch.equal(tensor, expected), name
-    for _, bucket_sizes in results:
+    for _, bucket_sizes, _ in results:
         for sizes in bucket_sizes:
             assert sum(sizes) <= BUCKET_BYTES or len(sizes) == 1
+    # into an engine that takes parts, each TP rank sends its own (q/k/v, gate/up, uneven vocabulary rows)
+    in_parts = assert_parts_rebuild([item for _, _, parts in results for item in parts], dict(sent))
+    assert bool(in_parts) == (layout[0] > 1)

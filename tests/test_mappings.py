@@ -75,6 +75,7 @@ MAPPINGS = [
     (Direct("w", ("w",)), [torch.randn(6)]),
     (VocabRows("e", ("e",)), [torch.randn(5, 4)]),
     (QKV("qkv", ("q", "k", "v"), num_heads=4, num_kv_heads=4, head_dim=2), [torch.randn(8, 3) for _ in range(3)]),
+    (QKV("qkv", ("q", "k", "v"), num_heads=8, num_kv_heads=4, head_dim=2), [torch.randn(n, 3) for n in (16, 8, 8)]),
     (GateUp("fc1", ("g", "u")), [torch.randn(8, 3), torch.randn(8, 3)]),
 ]
 
@@ -94,3 +95,21 @@ def test_layer_templates_name_hf_tensors():
     mapping = Direct("decoder.layers.{layer}.x.weight", ("model.layers.{layer}.x.weight",))
     assert mapping.hf_names(layer=7) == ("model.layers.7.x.weight",)
     assert Direct("a.weight", ("b.weight",)).hf_names() == ("b.weight",)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize(("mapping", "hf"), MAPPINGS, ids=lambda x: type(x).__name__ if not isinstance(x, list) else "")
+def test_parts_cut_from_each_shard_rebuild_the_hf_tensors(mapping, hf, tp):
+    """What each TP rank sends without a gather (`hf_parts`: q/k/v per query group, gate/up halves, vocabulary rows
+    with the padding on the last ranks): written into their slices, the parts give the HF tensors bit for bit."""
+    full = mapping.hf_to_mcore(hf, VOCAB)
+    rebuilt = [torch.full_like(t, float("nan")) for t in hf]
+    for rank in range(tp):
+        parts = mapping.hf_parts(mapping.shard(full, rank, tp), rank, tp, VOCAB)
+        if mapping.tp_dim is None:
+            assert parts is None  # replicated: sent whole by the group's first rank
+            return
+        assert len(parts) in (0, len(hf))  # none: a rank holding vocabulary padding only
+        for target, ((dim, start, stop), part) in zip(rebuilt, parts):
+            target.narrow(dim, start, stop - start).copy_(part)
+    assert all(torch.equal(a, b) for a, b in zip(rebuilt, hf))

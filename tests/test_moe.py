@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import (
-    exported_weights,
+    assert_parts_rebuild,
+    exported_weights_and_parts,
     hf_routing,
     layout_id,
     megatron_logits,
@@ -60,8 +61,8 @@ def test_routing_chooses_the_same_experts(ranks4, hf_reference, name, layout):
 @pytest.mark.parametrize("name", MOE_ARCHITECTURES)
 def test_export_from_live_moe_model_sends_each_expert_once(ranks4, hf_checkpoint, name, layout):
     folder = hf_checkpoint(name, torch.bfloat16)
-    results = ranks4.run(exported_weights, str(folder), layout, 64 * 1024, "bfloat16")
-    sent = [item for tensors, _ in results for item in tensors]
+    results = ranks4.run(exported_weights_and_parts, str(folder), layout, 64 * 1024, "bfloat16")
+    sent = [item for tensors, _, _ in results for item in tensors]
     names = [name for name, _ in sent]
     assert len(names) == len(set(names)), "a tensor was sent twice"
     original = HFCheckpoint(folder)
@@ -69,3 +70,6 @@ def test_export_from_live_moe_model_sends_each_expert_once(ranks4, hf_checkpoint
     assert all(
         torch.equal(tensor, original.get(name)) and tensor.dtype == original.spec(name).dtype for name, tensor in sent
     )
+    in_parts = assert_parts_rebuild([item for _, _, parts in results for item in parts], dict(sent))
+    assert bool(in_parts) == (layout.tp > 1)
+    assert any(".experts." in name for name in in_parts) == (layout.tp > 1 and layout.etp is None)  # etp unset: tp

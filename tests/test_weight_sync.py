@@ -2,7 +2,8 @@
 
 Checks the issue's contract: after a sync the engine holds exactly the actor's exported tensors; its greedy output
 equals greedy decoding with the Megatron actor; its log-probs match the actor's within 1e-4 (fp32); after an update
-and another sync, both change together.
+and another sync, both change together; without deltas at TP=2, the parts each rank sends of its own shards (no
+gather) give the engine the same tensors bit for bit.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def sync(actor, rollout, version: int, disk_dir=None, delta: str = "off") -> dic
     if disk_dir is not None:
         rollout.call("load_weights_from_disk", str(disk_dir))
     rollout.call("finish_weight_update", version)
-    return {key: sum(s[key] for s in sent) for key in ("tensors", "buckets", "bytes", "full_bytes")}
+    totals = {key: sum(s[key] for s in sent) for key in ("tensors", "buckets", "bytes", "full_bytes")}
+    return totals | {"senders": sum(s["bytes"] > 0 for s in sent)}
 
 
 def engine_tensors(rollout, names: list[str]) -> dict[str, torch.Tensor]:
@@ -160,6 +162,13 @@ def test_sync_gives_the_engine_the_actors_weights_and_outputs(built, name, paral
     assert all(torch.equal(now[n], moved[n]) for n in now)  # bit for bit after the delta
     assert any(not torch.equal(exported[n], moved[n]) for n in exported)
     assert after != before  # the update changed what the engine generates, and it still matches the actor
+    one_update(actor)
+    stats = sync(actor, rollout, version=3)  # no delta: at TP=2 each rank sends its own parts, no gather
+    assert (stats["tensors"] > len(now)) == (parallel.tp > 1) and stats["senders"] == 2
+    last = {n: t for share in actor.call("export_weights", collect="all") for n, t in share}
+    in_engine = engine_tensors(rollout, list(last))
+    assert all(torch.equal(last[n], in_engine[n]) for n in last)  # what the gathered export sends, bit for bit
+    assert any(not torch.equal(now[n], in_engine[n]) for n in now)
 
 
 def test_disk_road_gives_the_engine_every_senders_weights(built, tmp_path):
@@ -169,10 +178,10 @@ def test_disk_road_gives_the_engine_every_senders_weights(built, tmp_path):
     one_update(actor)
     before = {n: t for share in actor.call("export_weights", collect="all") for n, t in share}
     assert any(not torch.equal(before[n], t) for n, t in engine_tensors(rollout, list(before)).items())
-    stats = sync(actor, rollout, version=3, disk_dir=tmp_path)
+    stats = sync(actor, rollout, version=4, disk_dir=tmp_path)
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert len(files) == stats["buckets"] and {f[:9] for f in files} == {"rank00000", "rank00001"}
     in_engine = engine_tensors(rollout, list(before))
     assert all(torch.equal(before[n], in_engine[n]) for n in before)
-    assert rollout.call("health", collect="rank0")["weight_version"] == 3
+    assert rollout.call("health", collect="rank0")["weight_version"] == 4
     check_engine_matches_actor(actor, rollout)

@@ -1,7 +1,14 @@
-"""Grouping named tensors into buckets of bounded size, for streaming export and weight sync."""
+"""Grouping named tensors into buckets of bounded size, for streaming export and weight sync; the names of parts.
+
+A bucket entry is a whole HF tensor under its checkpoint name, or one part of it under `part_name`:
+"NAME@DIM:START:STOP" holds `NAME`'s elements START..STOP-1 along DIM (all of every other dim). Parts are what each
+TP rank sends of its own shard when the engine can take them (the sliced export: megarl/bridge/exporter.py); an
+engine writes each part into its region of the tensor, and the tensor is complete once its parts cover it.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -9,6 +16,20 @@ import torch
 Bucket = list[tuple[str, torch.Tensor]]
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+_PART = re.compile(r"(.+)@(\d+):(\d+):(\d+)")
+
+
+def part_name(name: str, where: tuple[int, int, int]) -> str:
+    """The entry name of the part (dim, start, stop) of HF tensor `name`."""
+    dim, start, stop = where
+    return f"{name}@{dim}:{start}:{stop}"
+
+
+def split_part_name(name: str) -> tuple[str, tuple[int, int, int]] | None:
+    """(HF tensor name, (dim, start, stop)) of a part's entry name; None for a whole tensor's."""
+    match = _PART.fullmatch(name)
+    return (match.group(1), (int(match.group(2)), int(match.group(3)), int(match.group(4)))) if match else None
 
 
 def travel_groups(names: Iterable[str], suffix_groups: Iterable[tuple[str, ...]]) -> dict[str, frozenset[str]]:

@@ -8,6 +8,9 @@ whole, by the first expert-parallel rank, which gathers the other ranks' experts
 same weights, only the first takes part: data-parallel (and context-parallel) rank 0 for dense weights,
 expert-data-parallel rank 0 for experts. Memory beyond the model: one bucket plus the tensor being gathered (a stacked
 tensor: all of it, on the first expert-parallel rank).
+
+For an engine that takes parts of tensors (the hf engine), `parts=True` drops the gathers where the layout allows:
+each TP rank sends its own part of each split tensor, cut from its shard (see `export_hf_weights`).
 """
 
 from __future__ import annotations
@@ -111,28 +114,55 @@ def export_hf_weights(
     bridge: ModelBridge,
     hf_dtypes: torch.dtype | Mapping[str, torch.dtype],
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    parts: bool = False,
 ) -> Iterator[Bucket]:
     """Yield buckets of (hf_name, tensor) on sending ranks.
 
     Every rank of the model-parallel group must iterate this generator to the end, senders or not: the TP gathers
     inside it are collectives. Yielded tensors may share memory with the parameters: consume a bucket before the
     parameters change.
+
+    `parts`: for an engine that takes parts of tensors (megarl/bridge/buckets.py `part_name`; the hf engine), every
+    TP rank sends its own part of each tensor whose layout allows it (`Mapping.hf_parts`: split weights, q/k/v and
+    gate/up, vocabulary rows), cut from its shard with no gather, so all ranks convert and send at once; tensors
+    stacked over experts and layouts that need every shard are gathered and sent whole as without `parts`. The
+    union over the senders then covers every HF tensor exactly once, in whole tensors and parts. Buckets keep no
+    travel groups (they are for SGLang's loader, which takes whole tensors only).
     """
     roles = _Roles()
     dtype_of = _dtype_lookup(hf_dtypes)
-    builder = BucketBuilder(bucket_bytes, travel_groups(bridge.hf_names(exported_only=True), bridge.load_groups))
+    together = {} if parts else travel_groups(bridge.hf_names(exported_only=True), bridge.load_groups)
+    builder = BucketBuilder(bucket_bytes, together)
     stacked = _StackedTensors(bridge.bindings)
     for binding in bridge.bindings:
         participates, group = roles.of(binding)
         if not binding.mapping.export or not participates:
             continue
-        rank, size = bridge.tp_rank_and_size(binding)
-        shards = _gather_shards(binding, size, group)
-        if rank != 0:
-            continue
-        for hf_name, hf_tensor in bridge.to_hf(binding, binding.mapping.unshard(shards), dtype_of):
-            for name, tensor in stacked.add(hf_name, hf_tensor):
-                if (bucket := builder.add(name, tensor)) is not None:
-                    yield bucket
+        own = _own_parts(bridge, binding, dtype_of) if parts else None
+        if own is None:
+            own = _gathered(bridge, binding, group, dtype_of, stacked)
+        for name, tensor in own:
+            if (bucket := builder.add(name, tensor)) is not None:
+                yield bucket
     if (bucket := builder.flush()) is not None:
         yield bucket
+
+
+def _own_parts(bridge: ModelBridge, binding: Binding, dtype_of) -> list[tuple[str, torch.Tensor]] | None:
+    """This rank's parts of the binding's tensors; None where they go whole (not split, stacked over experts, or a
+    layout that needs every shard): the same answer on every rank of the TP group, so the gathers stay matched."""
+    if binding.mapping.tp_dim is None or any(stacked_row(name) for name in binding.hf_names):
+        return None
+    return bridge.to_hf_parts(binding, dtype_of)
+
+
+def _gathered(
+    bridge: ModelBridge, binding: Binding, group, dtype_of, stacked: _StackedTensors
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The binding's whole HF tensors on the TP group's first rank (its shards gathered there), nothing elsewhere."""
+    rank, size = bridge.tp_rank_and_size(binding)
+    shards = _gather_shards(binding, size, group)
+    if rank != 0:
+        return
+    for hf_name, hf_tensor in bridge.to_hf(binding, binding.mapping.unshard(shards), dtype_of):
+        yield from stacked.add(hf_name, hf_tensor)

@@ -6,6 +6,9 @@ Every primitive is invertible and works in two layers:
 - sharding: `shard` cuts the full tensor into what TP rank r of T holds, and `unshard` rebuilds it from all T shards.
 Import reads a table of these left to right, export right to left; nothing else in the bridge knows a layout.
 
+Where TP rank r's shard is the r-th of equal parts of every HF tensor along one dim (`even_split_dim`), a rank reads
+only those slices on import (`hf_slices`) and sends only its own parts on export (`hf_parts`), with no gather.
+
 Names are templates: "{layer}" is the decoder layer index (local in Megatron names, global in HF names). A HF name
 ending in "[{expert}]" is one slice of a tensor stacked over experts along dim 0 (gpt-oss stores each projection of
 all of a layer's experts as one tensor): `stacked_row` splits it; the checkpoint reader reads the slice, and export
@@ -92,12 +95,29 @@ class Mapping:
             return full
         return full.chunk(tp_size, dim=self.tp_dim)[tp_rank]
 
+    def even_split_dim(self, tp_size: int) -> int | None:
+        """The HF dim along which TP rank r of `tp_size` holds the r-th of `tp_size` equal parts of every HF tensor
+        of this mapping, and `mcore_to_hf` of its shard alone gives those parts; None where a rank's share is not
+        such a slice (the layout needs every shard)."""
+        return self.tp_dim if isinstance(self.tp_dim, int) and len(self.hf) == 1 else None
+
     def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
         """The part of each HF tensor whose `hf_to_mcore` is TP rank `tp_rank`'s shard, as (dim, start, stop), so a
         rank reads only its slice of the checkpoint; None: read whole tensors and `shard` (the layout needs it)."""
-        if not isinstance(self.tp_dim, int) or tp_size == 1 or len(shapes) != 1:
+        dim = self.even_split_dim(tp_size) if tp_size > 1 and self.tp_dim is not None else None
+        return None if dim is None else _even_slices(shapes, dim, tp_rank, tp_size)
+
+    def hf_parts(
+        self, shard: torch.Tensor, tp_rank: int, tp_size: int, vocab: VocabInfo
+    ) -> list[tuple[Slice, torch.Tensor]] | None:
+        """TP rank `tp_rank`'s part of each HF tensor, from its own shard alone, in `hf` order: (where it lies in
+        the whole HF tensor, the part), so that export needs no gather; None where the layout needs every shard.
+        The same answer on every rank of a TP group (it depends on the mapping and `tp_size` only)."""
+        dim = self.even_split_dim(tp_size) if tp_size > 1 and self.tp_dim is not None else None
+        if dim is None:
             return None
-        return _even_slices(shapes, self.tp_dim, tp_rank, tp_size)
+        parts = self.mcore_to_hf(shard, vocab)
+        return [((dim, part.shape[dim] * tp_rank, part.shape[dim] * (tp_rank + 1)), part) for part in parts]
 
     def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         if self.tp_dim is None or len(shards) == 1:
@@ -120,8 +140,18 @@ class VocabRows(Mapping):
 
     tp_dim: int | None = 0
 
-    def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
-        return None  # the padding rows belong to the last ranks: whole tensors, then `shard`
+    def even_split_dim(self, tp_size: int) -> int | None:
+        return None  # the padding rows belong to the last ranks: import reads whole tensors, then `shard`
+
+    def hf_parts(
+        self, shard: torch.Tensor, tp_rank: int, tp_size: int, vocab: VocabInfo
+    ) -> list[tuple[Slice, torch.Tensor]] | None:
+        if tp_size == 1 or self.tp_dim is None:
+            return None
+        # rank r holds padded rows [r * n, (r + 1) * n); the HF tensor has the first `vocab.size` of them
+        start = shard.shape[0] * tp_rank
+        stop = min(start + shard.shape[0], vocab.size)
+        return [((0, start, stop), shard[: stop - start])] if stop > start else []  # [] : padding rows only
 
     def hf_to_mcore(self, hf: Sequence[torch.Tensor], vocab: VocabInfo) -> torch.Tensor:
         (tensor,) = hf
@@ -152,15 +182,13 @@ class QKV(Mapping):
         groups = [t.reshape(-1, rows, *rest) for t, rows in zip(hf, self._group_rows())]
         return torch.cat(groups, dim=1).reshape(-1, *rest)
 
-    def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
+    def even_split_dim(self, tp_size: int) -> int | None:
         # TP rank r holds query groups [r * G / tp, (r + 1) * G / tp): the same rows of q, k and v.
-        if tp_size == 1 or self.num_kv_heads % tp_size:
-            return None
-        return _even_slices(shapes, 0, tp_rank, tp_size)
+        return None if self.num_kv_heads % tp_size else 0
 
     def mcore_to_hf(self, full: torch.Tensor, vocab: VocabInfo) -> list[torch.Tensor]:
-        rest = full.shape[1:]
-        grouped = full.reshape(self.num_kv_heads, -1, *rest)
+        rest = full.shape[1:]  # any number of whole query groups: all of them, or one TP rank's
+        grouped = full.reshape(-1, sum(self._group_rows()), *rest)
         return [part.reshape(-1, *rest) for part in grouped.split(self._group_rows(), dim=1)]
 
 
@@ -181,8 +209,8 @@ class GateUp(Mapping):
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]])
 
-    def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
-        return None if tp_size == 1 or len(shapes) != 2 else _even_slices(shapes, 0, tp_rank, tp_size)
+    def even_split_dim(self, tp_size: int) -> int | None:
+        return 0 if len(self.hf) == 2 else None  # a shard is [gate_r; up_r]: rows r of gate and of up
 
     def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         if len(shards) == 1:
@@ -208,7 +236,7 @@ class InterleavedGateUp(GateUp):
         rows = torch.stack([gate, up], dim=1).reshape(full.shape)
         return [rows.t() if self.transposed else rows]
 
-    def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
+    def even_split_dim(self, tp_size: int) -> int | None:
         return None
 
 
@@ -224,7 +252,7 @@ class Transposed(Mapping):
     def mcore_to_hf(self, full: torch.Tensor, vocab: VocabInfo) -> list[torch.Tensor]:
         return [full.t()]
 
-    def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
+    def even_split_dim(self, tp_size: int) -> int | None:
         return None
 
 
@@ -264,7 +292,7 @@ class Sections(Mapping):
         pieces = [shard.split(local, dim=0) for shard in shards]
         return torch.cat([piece[s] for s in range(len(local)) for piece in pieces])
 
-    def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
+    def even_split_dim(self, tp_size: int) -> int | None:
         return None
 
 
@@ -297,16 +325,15 @@ class GatedDeltaNetInProj(Sections):
 
     def mcore_to_hf(self, full: torch.Tensor, vocab: VocabInfo) -> list[torch.Tensor]:
         qkvz_rows, ba_rows = self._rows()
-        rest, nk = full.shape[1:], self.num_key_heads
+        rest = full.shape[1:]
+        nk = full.shape[0] // (sum(qkvz_rows) + sum(ba_rows))  # key heads: all of them, or one TP rank's
         kinds = full.split([nk * rows for rows in qkvz_rows + ba_rows])
         qkvz = torch.cat([kind.reshape(nk, -1, *rest) for kind in kinds[:4]], dim=1).reshape(-1, *rest)
         ba = torch.cat([kind.reshape(nk, -1, *rest) for kind in kinds[4:]], dim=1).reshape(-1, *rest)
         return [qkvz, ba]
 
-    def hf_slices(self, tp_rank: int, tp_size: int, shapes: Sequence[tuple[int, ...]]) -> list[Slice] | None:
-        if tp_size == 1 or self.num_key_heads % tp_size:
-            return None
-        return _even_slices(shapes, 0, tp_rank, tp_size)
+    def even_split_dim(self, tp_size: int) -> int | None:
+        return None if self.num_key_heads % tp_size else 0
 
 
 @dataclass(frozen=True)

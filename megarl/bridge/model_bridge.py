@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from megarl.bridge.buckets import part_name
 from megarl.bridge.mappings import TP_DIM_FROM_MODEL, Mapping, VocabInfo, whole_tensor_name
 from megarl.errors import UserError
 
@@ -152,6 +153,20 @@ class ModelBridge:
         tensors = binding.mapping.mcore_to_hf(full, self.vocab)
         return [
             (name, t.to(dtype_of(whole_tensor_name(name))).contiguous()) for name, t in zip(binding.hf_names, tensors)
+        ]
+
+    def to_hf_parts(
+        self, binding: Binding, dtype_of: Callable[[str], torch.dtype]
+    ) -> list[tuple[str, torch.Tensor]] | None:
+        """This rank's parts of the binding's HF tensors, from its own shard (`Mapping.hf_parts`), as
+        (`part_name`, part) pairs in their HF dtypes; None where the layout needs the shards of every TP rank."""
+        rank, size = self.tp_rank_and_size(binding)
+        parts = binding.mapping.hf_parts(binding.param.detach(), rank, size, self.vocab)
+        if parts is None:
+            return None
+        return [
+            (part_name(name, where), t.to(dtype_of(name)).contiguous())
+            for name, (where, t) in zip(binding.hf_names, parts)
         ]
 
     def local_shard(self, binding: Binding, full: torch.Tensor) -> torch.Tensor:

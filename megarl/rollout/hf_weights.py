@@ -18,6 +18,10 @@ write for this model (tied weights removed, conversions reverted), each must map
 right shape, and the regions must cover every model tensor exactly once. A converter whose operations this module
 does not know fails at build time, naming it.
 
+A bucket entry may also be a part of a checkpoint tensor (`NAME@DIM:START:STOP`, megarl/bridge/buckets.py: what
+each TP rank of the trainer sends of its own shard): it is written into that slice of the tensor's region, and the
+tensor counts as loaded once its parts have covered all of it.
+
 Names a bucket may carry that the model does not hold are skipped and counted: derived buffers (rotary
 `inv_freq`, recomputed from the config) and layers past `num_hidden_layers` (DeepSeek multi-token prediction).
 Any other unknown name raises `UserError` naming the tensor.
@@ -26,6 +30,7 @@ Any other unknown name raises `UserError` naming the tensor.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable
@@ -44,6 +49,7 @@ from transformers.core_model_loading import (
 )
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
+from megarl.bridge.buckets import split_part_name
 from megarl.errors import UserError
 
 Index = tuple[int | slice, ...]
@@ -63,6 +69,10 @@ class Destination:
     """Shape of the checkpoint tensor (equal to the region's shape)."""
 
 
+Part = tuple[int, int, int] | None
+"""(dim, start, stop) of a part of a checkpoint tensor; None for the whole tensor."""
+
+
 @dataclass
 class LoadCounts:
     """What `WeightLoader.load` did since the last `reset`."""
@@ -73,6 +83,8 @@ class LoadCounts:
     """Tensors written (a name sent twice counts twice)."""
     num_skipped: int = 0
     """Tensors ignored: derived buffers and layers the model does not hold."""
+    part_elements: dict[str, int] = field(default_factory=dict)
+    """Checkpoint names arriving in parts: the elements written so far (`loaded` once they cover the tensor)."""
 
 
 def checkpoint_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -250,46 +262,78 @@ class WeightLoader:
             return
         writes = []
         for name, tensor in bucket:
-            dest = self.destination(name)
-            if dest is None:
+            found = self._find(name)
+            if found is None:
                 self.counts.num_skipped += 1
                 continue
-            if tuple(tensor.shape) != dest.shape:
+            base, dest, part = found
+            if tuple(tensor.shape) != _part_shape(dest, part):
                 raise UserError(
-                    f"weight update: tensor {name!r} has shape {tuple(tensor.shape)}; the model expects {dest.shape}"
+                    f"weight update: tensor {name!r} has shape {tuple(tensor.shape)}; the model expects "
+                    f"{_part_shape(dest, part)}"
                 )
-            writes.append((name, dest, tensor))
-        for name, dest, tensor in writes:
-            target = self._tensors[dest.target]
-            (target[dest.index] if dest.index else target).copy_(tensor)
-            self.counts.loaded.add(name)
-            self.counts.num_tensors += 1
+            writes.append((base, dest, part, tensor))
+        for base, dest, part, tensor in writes:
+            self._region(dest, part).copy_(tensor)
+            self._count(base, dest, part)
+
+    def _find(self, name: str) -> tuple[str, Destination, Part] | None:
+        """(checkpoint name, its destination, the part or None) of a bucket entry's name; None for a skipped one."""
+        split = split_part_name(name)
+        base, part = split if split is not None else (name, None)
+        dest = self.destination(base)
+        if dest is None or part is None:
+            return None if dest is None else (base, dest, None)
+        dim, start, stop = part
+        if not (dim < len(dest.shape) and 0 <= start < stop <= dest.shape[dim]):
+            raise UserError(f"weight update: part {name!r} lies outside {base!r}, of shape {dest.shape}")
+        return base, dest, part
+
+    def _region(self, dest: Destination, part: Part) -> torch.Tensor:
+        """The model's tensor (a view) that a checkpoint tensor, or a part of it, is written into."""
+        target = self._tensors[dest.target]
+        region = target[dest.index] if dest.index else target
+        return region if part is None else region.narrow(part[0], part[1], part[2] - part[1])
+
+    def _count(self, base: str, dest: Destination, part: Part) -> None:
+        self.counts.num_tensors += 1
+        if part is None:
+            self.counts.loaded.add(base)
+            return
+        dim, start, stop = part
+        written = self.counts.part_elements.get(base, 0) + math.prod(dest.shape) // dest.shape[dim] * (stop - start)
+        if written > math.prod(dest.shape):
+            raise UserError(f"weight update: the parts sent of {base!r} overlap (more elements than its {dest.shape})")
+        self.counts.part_elements[base] = written
+        if written == math.prod(dest.shape):
+            self.counts.loaded.add(base)
 
     def _destination_shape(self, name: str) -> tuple[int, ...]:
-        dest = self.destination(name)
-        if dest is None:
+        found = self._find(name)
+        if found is None:
             raise UserError(f"weight update: a delta for {name!r}, which this model does not hold")
-        return dest.shape
+        return _part_shape(found[1], found[2])
 
     @torch.no_grad()
     def apply_delta(self, delta) -> None:
         """A delta bucket (megarl/workers/weight_delta.py `DeltaBucket`) in place: each sent tensor's region of the
-        model gets the changed elements, then the bucket's checksum is verified (DeltaMismatch otherwise)."""
+        model (or its part's) gets the changed elements, then the bucket's checksum is verified (DeltaMismatch
+        otherwise)."""
         from megarl.workers.weight_delta import apply_delta
 
-        entries = [entry for entry in delta.entries if self.destination(entry.name) is not None]
-        if len(entries) != len(delta.entries):  # skipped names: the checksum covers what the sender sent
+        found = {entry.name: self._find(entry.name) for entry in delta.entries}
+        if None in found.values():  # skipped names: the checksum covers what the sender sent
             raise UserError(
                 "weight update: a delta bucket names tensors this model does not hold "
-                f"({sorted({e.name for e in delta.entries} - {e.name for e in entries})[:3]}); send such names whole"
+                f"({sorted(name for name, where in found.items() if where is None)[:3]}); send such names whole"
             )
+        apply_delta(delta, lambda name: self._region(found[name][1], found[name][2]))
+        for base, dest, part in found.values():
+            self._count(base, dest, part)
 
-        def region(name: str) -> torch.Tensor:
-            dest = self.plan[name]
-            target = self._tensors[dest.target]
-            return target[dest.index] if dest.index else target
 
-        apply_delta(delta, region)
-        for entry in entries:
-            self.counts.loaded.add(entry.name)
-            self.counts.num_tensors += 1
+def _part_shape(dest: Destination, part: Part) -> tuple[int, ...]:
+    if part is None:
+        return dest.shape
+    dim, start, stop = part
+    return (*dest.shape[:dim], stop - start, *dest.shape[dim + 1 :])

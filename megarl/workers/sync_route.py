@@ -19,6 +19,9 @@ class EngineTarget:
     """UUIDs of the GPUs the engine runs on (empty on CPU)."""
     sglang: SGLangEndpoint | None = None
     """An SGLang engine's server, for the roads that reach it directly (ipc, nccl)."""
+    takes_parts: bool = False
+    """The engine takes parts of tensors (megarl/bridge/buckets.py `part_name`: the hf engine): on the object store
+    road every TP rank then sends its own parts, with no gather (megarl/workers/weight_sync.py)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,6 @@ class SyncRoute:
 
     @classmethod
     def to_workers(cls, workers: list, transport: str = "object_store", devices: list[list[str]] | None = None):
-        """A route to engine workers that are not SGLang servers (the hf engine; tests and benchmarks)."""
+        """A route to hf engine workers (tests and benchmarks)."""
         devices = devices or [[] for _ in workers]
-        return cls(transport, tuple(EngineTarget(w, tuple(d)) for w, d in zip(workers, devices)))
+        return cls(transport, tuple(EngineTarget(w, tuple(d), takes_parts=True) for w, d in zip(workers, devices)))

@@ -116,9 +116,10 @@ def send_weights(
     verify = re.compile(VERIFY_PATTERN)
     fp8 = BlockFP8.from_config(route.quantization, "rollout.weights_format") if route.quantization else None
     sender = ThreadPoolExecutor(1, "megarl-weight-sender") if roads and set(roads) <= HOST_ROADS else None
+    parts = _sends_parts(route, roads, fp8)
     try:
         with torch.no_grad():
-            for bucket in export_hf_weights(model.bridge, model.hf_dtypes, bucket_bytes):
+            for bucket in export_hf_weights(model.bridge, model.hf_dtypes, bucket_bytes, parts=parts):
                 bucket = faults.tamper("sync.bucket", bucket)  # tests of the sync probe only
                 if fp8 is not None:
                     bucket = quantize_bucket(bucket, fp8)
@@ -183,6 +184,20 @@ def _roads(route: SyncRoute) -> list[str]:
         "ipc" if route.transport == "ipc" and mine is not None and mine in engine.devices else "object_store"
         for engine in route.engines
     ]
+
+
+def _sends_parts(route: SyncRoute, roads: list[str], fp8: BlockFP8 | None) -> bool:
+    """Whether every TP rank sends its own parts of the tensors instead of gathering them to one sender
+    (exporter.export_hf_weights `parts`): all engines take parts and are reached through the object store, and
+    the tensors go as they are. FP8 blocks span the TP shards, and delta snapshots keep whole tensors: those sync
+    gathered."""
+    return (
+        bool(roads)
+        and all(road == "object_store" for road in roads)
+        and all(engine.takes_parts for engine in route.engines)
+        and fp8 is None
+        and route.delta == "off"
+    )
 
 
 def _send_bucket(bucket: Bucket, route: SyncRoute, roads: list[str], state: SenderState) -> tuple[list, object]:

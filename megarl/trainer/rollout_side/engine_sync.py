@@ -230,8 +230,10 @@ class WeightSync:
         rollout = self.roles.rollout
         devices = rollout.call("device_uuids") if self.roles.colocated else [[] for _ in rollout.workers]
         endpoints = rollout.call("sglang_endpoint")
+        parts = self.rollout.backend == "hf"  # the hf engine writes parts of tensors in place (hf_weights.py)
         engines = tuple(
-            EngineTarget(worker, tuple(d), endpoint) for worker, d, endpoint in zip(rollout.workers, devices, endpoints)
+            EngineTarget(worker, tuple(d), endpoint, takes_parts=parts)
+            for worker, d, endpoint in zip(rollout.workers, devices, endpoints)
         )
         fmt = "fp8" if self.quantization else "as trained"
         log.info("weight sync: %s into %d engine(s), weights %s", self.transport, len(engines), fmt)
