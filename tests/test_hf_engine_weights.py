@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from megarl.bridge.buckets import part_name
 from megarl.bridge.safetensors_io import HFCheckpoint
 from megarl.errors import UserError
 from megarl.rollout.hf_weights import WeightLoader
@@ -117,6 +118,36 @@ def test_partial_update_writes_only_its_expert(hf_checkpoint, other_checkpoint):
     changed = (after != before).any(dim=-1)  # [E, 2I]
     assert changed[3, intermediate:].all() and changed.sum() == intermediate
     assert len(loader.missing()) == len(loader.names) - 1
+
+
+def test_parts_of_tensors_equal_from_pretrained(hf_checkpoint, other_checkpoint):
+    """Tensors sent in parts (`NAME@DIM:START:STOP`, as each TP rank of the trainer sends its own: uneven, along
+    either dim, into fused expert tensors too), in any order, give from_pretrained's model bit for bit; a tensor
+    counts as loaded once its parts cover it; parts that overlap or lie outside it fail naming it."""
+    target = hf_checkpoint("tiny-qwen3-moe")
+    model, reference = load(other_checkpoint("tiny-qwen3-moe")), load(target)
+    checkpoint = HFCheckpoint(target)
+    rng = random.Random(0)
+    entries = []
+    for name in checkpoint.names:
+        tensor = checkpoint.get(name)
+        dim = rng.randrange(tensor.dim())
+        cut = rng.randrange(1, tensor.shape[dim])  # two uneven parts
+        for start, stop in ((0, cut), (cut, tensor.shape[dim])):
+            entries.append((part_name(name, (dim, start, stop)), tensor.narrow(dim, start, stop - start)))
+    rng.shuffle(entries)
+    loader = WeightLoader(model)
+    half = len(entries) // 2
+    loader.load(entries[:half])
+    assert 0 < len(loader.missing()) < len(loader.names)  # tensors with one part of two in are not loaded yet
+    loader.load(entries[half:])
+    assert loader.missing() == [] and loader.counts.num_tensors == len(entries)
+    assert_same_state(model, reference)
+    norm = checkpoint.get("model.norm.weight")
+    with pytest.raises(UserError, match=r"parts sent of 'model\.norm\.weight' overlap"):
+        loader.load([(part_name("model.norm.weight", (0, 0, 40)), norm[:40])])
+    with pytest.raises(UserError, match=r"'model\.norm\.weight@0:60:65' lies outside 'model\.norm\.weight'"):
+        loader.load([(part_name("model.norm.weight", (0, 60, 65)), torch.zeros(5))])
 
 
 def test_unknown_and_misshaped_names_fail_naming_the_tensor(hf_checkpoint):

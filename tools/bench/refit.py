@@ -106,8 +106,9 @@ def memcpy_seconds(worker, num_bytes: int, reps: int, num_threads: int) -> list[
     return seconds[1:]
 
 
-def export_only(worker, bucket_bytes: int) -> dict:
-    """Iterate the export stream on this actor rank (a collective), dropping the buckets."""
+def export_only(worker, bucket_bytes: int, parts: bool) -> dict:
+    """Iterate the export stream on this actor rank (a collective), dropping the buckets; `parts`: each rank its own
+    parts (the hf engine's road), else gathered to rank 0."""
     import torch
 
     from megarl.bridge.exporter import export_hf_weights
@@ -116,7 +117,7 @@ def export_only(worker, bucket_bytes: int) -> dict:
     start = time.perf_counter()
     num_bytes = 0
     with torch.no_grad():
-        for bucket in export_hf_weights(loaded.bridge, loaded.hf_dtypes, bucket_bytes):
+        for bucket in export_hf_weights(loaded.bridge, loaded.hf_dtypes, bucket_bytes, parts=parts):
             num_bytes += sum(t.nbytes for _, t in bucket)
     return {"seconds": time.perf_counter() - start, "bytes": num_bytes}
 
@@ -200,9 +201,12 @@ def all_gather_shards(binding, size: int, group) -> list:
     return shards
 
 
-def instrumented_send(worker, engines: list, bucket_bytes: int, transport: str, gather_mode: str) -> dict:
-    """The loop of `send_weights` with timers; `transport` "torch" (before) or "numpy" (now), `gather_mode`
-    "all_gather" (before) or "gather" (now: the exporter's own)."""
+def instrumented_send(
+    worker, engines: list, bucket_bytes: int, transport: str, gather_mode: str, parts: bool = False
+) -> dict:
+    """The loop of `send_weights` with timers; `transport` "torch" (before 2026-11-22) or "numpy" (now),
+    `gather_mode` "all_gather" (before) or "gather" (the exporter's own), `parts`: each TP rank exports and sends
+    its own parts (the trainer's road into the hf engine since 2026-11-28)."""
     import ray
     import torch
 
@@ -230,7 +234,7 @@ def instrumented_send(worker, engines: list, bucket_bytes: int, transport: str, 
     num_buckets = 0
     try:
         with torch.no_grad():
-            stream = exporter.export_hf_weights(loaded.bridge, loaded.hf_dtypes, bucket_bytes)
+            stream = exporter.export_hf_weights(loaded.bridge, loaded.hf_dtypes, bucket_bytes, parts=parts)
             while True:
                 t0 = time.perf_counter()
                 bucket = next(stream, None)
@@ -350,40 +354,66 @@ class Bench:
         self.rollout.call("finish_weight_update", self.version)  # strict: fails unless every tensor arrived
         return seconds, memory, out
 
-    def sync(self, bucket_bytes: int):
-        """The trainer's call, as in megarl/trainer: every actor rank runs `send_weights` to every engine."""
+    def sync(self, bucket_bytes: int, parts: bool = True):
+        """The trainer's call, as in megarl/trainer: every actor rank runs `send_weights` to every engine; `parts`
+        False: the engine marked as taking whole tensors only (the road until 2026-11-28: gathered to rank 0)."""
+        import dataclasses
+
         from megarl.workers.weight_sync import SyncRoute
 
         route = SyncRoute.to_workers(self.rollout.workers)
+        if not parts:
+            engines = tuple(dataclasses.replace(e, takes_parts=False) for e in route.engines)
+            route = dataclasses.replace(route, engines=engines)
         return self.actor.call("sync_weights", route, self.version, bucket_bytes, collect="all")
 
-    def instrumented(self, bucket_bytes: int, transport: str, gather_mode: str):
+    def instrumented(self, bucket_bytes: int, transport: str, gather_mode: str, parts: bool = False):
         workers = self.actor.workers
-        return self.on_all(workers, instrumented_send, self.rollout.workers, bucket_bytes, transport, gather_mode)
+        engines = self.rollout.workers
+        return self.on_all(workers, instrumented_send, engines, bucket_bytes, transport, gather_mode, parts)
 
-    def repeated(self, run) -> dict:
-        runs = [self.measured(run) for _ in range(self.args.warmup + self.args.reps)][self.args.warmup :]
-        seconds = [s for s, _, _ in runs]
-        memory = {
-            name: {kind: max(m[name][kind] for _, m, _ in runs) for kind in ("rss", "private")} for name in runs[0][1]
-        }
-        return {
-            "seconds": statistics.median(seconds),
-            "all_seconds": seconds,
-            "extra_memory": memory,
-            "returned": runs[-1][2],
-        }
+    def repeated(self, runs: dict) -> dict:
+        """Each of `runs` (name -> a weight update) warmup + reps times, taking turns (A B A B ...), so that
+        variants compared with each other share the machine's moments (it is shared with other work)."""
+        measured = {name: [] for name in runs}
+        for _ in range(self.args.warmup + self.args.reps):
+            for name, run in runs.items():
+                measured[name].append(self.measured(run))
+        out = {}
+        for name, taken in measured.items():
+            taken = taken[self.args.warmup :]
+            seconds = [s for s, _, _ in taken]
+            memory = {
+                proc: {kind: max(m[proc][kind] for _, m, _ in taken) for kind in ("rss", "private")}
+                for proc in taken[0][1]
+            }
+            out[name] = {
+                "seconds": statistics.median(seconds),
+                "all_seconds": seconds,
+                "extra_memory": memory,
+                "returned": taken[-1][2],
+            }
+        return out
 
     def bucket_size(self, bucket_bytes: int) -> dict:
         row = {"bucket_bytes": bucket_bytes}
-        print(f"  bucket {bucket_bytes / MB:g} MB: trainer path (sync_weights) ...", flush=True)
-        row["sync"] = self.repeated(lambda: self.sync(bucket_bytes))
-        print(f"  bucket {bucket_bytes / MB:g} MB: instrumented before / fix 1 / now, export only ...", flush=True)
-        row["before"] = self.repeated(lambda: self.instrumented(bucket_bytes, "torch", "all_gather"))
-        row["numpy"] = self.repeated(lambda: self.instrumented(bucket_bytes, "numpy", "all_gather"))
-        row["now"] = self.repeated(lambda: self.instrumented(bucket_bytes, "numpy", "gather"))
-        exports = [self.on_all(self.actor.workers, export_only, bucket_bytes) for _ in range(self.args.reps)]
-        row["export_only_s"] = statistics.median(max(r["seconds"] for r in ranks) for ranks in exports)
+        size = f"  bucket {bucket_bytes / MB:g} MB"
+        print(f"{size}: trainer path (sync_weights), in parts and gathered ...", flush=True)
+        row |= self.repeated(
+            {"sync": lambda: self.sync(bucket_bytes), "sync_gathered": lambda: self.sync(bucket_bytes, parts=False)}
+        )
+        print(f"{size}: instrumented, export only, engine apply only ...", flush=True)
+        variants = {
+            "parts": lambda: self.instrumented(bucket_bytes, "numpy", "gather", parts=True),
+            "now": lambda: self.instrumented(bucket_bytes, "numpy", "gather"),
+        }
+        if self.args.history:
+            variants["before"] = lambda: self.instrumented(bucket_bytes, "torch", "all_gather")
+            variants["numpy"] = lambda: self.instrumented(bucket_bytes, "numpy", "all_gather")
+        row |= self.repeated(variants)
+        for key, parts in (("export_only_s", False), ("export_parts_only_s", True)):
+            exports = [self.on_all(self.actor.workers, export_only, bucket_bytes, parts) for _ in range(self.args.reps)]
+            row[key] = statistics.median(max(r["seconds"] for r in ranks) for ranks in exports)
         applies = [self.on_all(self.rollout.workers, engine_apply_only, bucket_bytes)[0] for _ in range(self.args.reps)]
         row["apply_only_s"] = statistics.median(a["seconds"] for a in applies)
         self.on_all(self.processes, trim_heap)
@@ -426,11 +456,14 @@ def run(args) -> dict:
             bench = Bench(folder, args)
             try:
                 engine = bench.rollout.workers
-                memcpy = {
-                    threads: statistics.median(bench.on_all(engine, memcpy_seconds, model_bytes, args.reps, threads)[0])
-                    for threads in (1, 2)
-                }
+
+                def copies() -> dict[int, list[float]]:
+                    return {t: bench.on_all(engine, memcpy_seconds, model_bytes, args.reps, t)[0] for t in (1, 2)}
+
+                memcpy_start = copies()
                 rows = [bench.bucket_size(int(mb * MB)) for mb in args.bucket_mb]
+                memcpy_end = copies()  # the machine's memory bandwidth moves between minutes: both ends
+                memcpy = {t: statistics.median(memcpy_start[t] + memcpy_end[t]) for t in (1, 2)}
             finally:
                 bench.shutdown()
         finally:
@@ -444,6 +477,7 @@ def run(args) -> dict:
         "model_bytes": model_bytes,
         "sent_bytes": sum(s["bytes"] for s in sent),
         "memcpy_s": memcpy,
+        "memcpy_s_start_end": {t: [statistics.median(run[t]) for run in (memcpy_start, memcpy_end)] for t in memcpy},
         "rows": rows,
         "load_average_start": load_at_start,
         "load_average_end": os.getloadavg(),
@@ -463,24 +497,28 @@ def tables(result: dict) -> list[str]:
     memcpy = result["memcpy_s"]
     limit = gbps(total, memcpy[1])
     load = " -> ".join(", ".join(f"{x:.2f}" for x in result[f"load_average_{when}"]) for when in ("start", "end"))
+    ends = " -> ".join(f"{gbps(total, s):.2f}" for s in result["memcpy_s_start_end"][1])
     lines = [
         f"\nModel: {result['model_bytes'] / 1e9:.2f} GB of fp32 safetensors; a sync sends {total / 1e9:.2f} GB. "
-        f"memcpy of the same bytes (engine process): {limit:.2f} GB/s with 1 thread, {gbps(total, memcpy[2]):.2f} "
-        f"GB/s with 2. Load average (1, 5, 15 min) at start -> end: {load}. Targets: 40% of memcpy, extra memory "
-        "under 3 buckets.",
+        f"memcpy of the same bytes (engine process, median of the runs before and after): {limit:.2f} GB/s with 1 "
+        f"thread (start -> end: {ends}), {gbps(total, memcpy[2]):.2f} GB/s with 2. Load average (1, 5, 15 min) at "
+        f"start -> end: {load}. Targets: 40% of memcpy, extra memory under 3 buckets.",
         "",
         "| path | bucket MB | s | GB/s | % of memcpy | extra RSS MB: rank 0 / rank 1 / engine | "
         "private MB: rank 0 / rank 1 / engine | largest private / bucket |",
         "|---|---|---|---|---|---|---|---|",
     ]
     paths = [
-        ("sync", "trainer (`sync_weights`), now"),
+        ("sync", "trainer (`sync_weights`): parts from both TP ranks"),
+        ("sync_gathered", "trainer, gathered to TP rank 0 (until 2026-11-28)"),
         ("before", "before: torch pickling, all-gather"),
         ("numpy", "fix 1 alone: NumPy transport, all-gather"),
     ]
     names = ("actor rank 0", "actor rank 1", "engine")
     for key, label in paths:
         for row in result["rows"]:
+            if key not in row:
+                continue
             run = row[key]
             mem = run["extra_memory"]
             rate = gbps(total, run["seconds"])
@@ -494,18 +532,27 @@ def tables(result: dict) -> list[str]:
             )
     lines += [
         "",
-        "Where the time goes: seconds per sync on rank 0 (the sending rank), from an instrumented copy of "
-        "`send_weights`; `export only` and `engine apply only` are each measured alone.",
+        "Where the time goes: seconds per sync on each sending rank, from an instrumented copy of `send_weights` that "
+        "sends on the exporting thread (so that its parts add up); `export only` and `engine apply only` are each "
+        "measured alone (export: the slower rank).",
         "",
         "| path | bucket MB | export only | engine apply only | TP gathers | rest of export | ray.put | "
         "waiting for the engine | engine: ray.get | engine: apply_bucket | total |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    profiles = [("before", "before"), ("numpy", "fix 1 alone"), ("now", "now (fixes 1 + 2)")]
-    for key, label in profiles:
+    profiles = [
+        ("parts", 0, "parts, rank 0", "export_parts_only_s"),
+        ("parts", 1, "parts, rank 1", "export_parts_only_s"),
+        ("now", 0, "gathered, rank 0 (fixes 1 + 2)", "export_only_s"),
+        ("before", 0, "before", None),
+        ("numpy", 0, "fix 1 alone", None),
+    ]
+    for key, rank, label, export_key in profiles:
         for row in result["rows"]:
-            t = row[key]["returned"][0]
-            alone = f"{row['export_only_s']:.2f} | {row['apply_only_s']:.2f}" if key == "now" else " | "
+            if key not in row:
+                continue
+            t = row[key]["returned"][rank]
+            alone = f"{row[export_key]:.2f} | {row['apply_only_s']:.2f}" if export_key else " | "
             lines.append(
                 f"| {label} | {row['bucket_bytes'] / MB:g} | {alone} | {t['gather']:.2f} | {t['export_rest']:.2f} | "
                 f"{t['encode_put']:.2f} | {t['wait']:.2f} | {t['engine_get']:.2f} | {t['engine_apply']:.2f} | "
@@ -521,6 +568,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--object-store-mb", type=int, default=4096, help="Ray object store size")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test)")
+    parser.add_argument(
+        "--history", action="store_true", help="also the profiles of the roads before 2026-11-22 (slow)"
+    )
     parser.add_argument("--workdir", default=None, help="where the generated model goes (default: a temp dir)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
