@@ -189,14 +189,13 @@ def _roads(route: SyncRoute) -> list[str]:
 def _sends_parts(route: SyncRoute, roads: list[str], fp8: BlockFP8 | None) -> bool:
     """Whether every TP rank sends its own parts of the tensors instead of gathering them to one sender
     (exporter.export_hf_weights `parts`): all engines take parts and are reached through the object store, and
-    the tensors go as they are. FP8 blocks span the TP shards, and delta snapshots keep whole tensors: those sync
-    gathered."""
+    the tensors go as they are (FP8 blocks span the TP shards: FP8 syncs gather). Deltas too: each rank's snapshot
+    then holds its own parts, and the engine checks each bucket's checksum over the parts it carries."""
     return (
         bool(roads)
         and all(road == "object_store" for road in roads)
         and all(engine.takes_parts for engine in route.engines)
         and fp8 is None
-        and route.delta == "off"
     )
 
 
