@@ -147,7 +147,8 @@ class RecordingSender:
 
 
 def export_stub(buckets):
-    def export(bridge, dtypes, bucket_bytes):
+    def export(bridge, dtypes, bucket_bytes, parts=False):
+        assert not parts  # whole tensors on these roads: SGLang, disk, engines that take no parts
         yield from buckets
 
     return export
@@ -302,7 +303,7 @@ def test_host_roads_send_each_bucket_on_a_thread_while_the_next_is_exported(monk
     second_exported, writers = threading.Event(), []
     write = weight_sync._write_bucket
 
-    def export(bridge, dtypes, bucket_bytes):
+    def export(bridge, dtypes, bucket_bytes, parts=False):
         yield BUCKETS[0]
         second_exported.set()
         yield BUCKETS[1]

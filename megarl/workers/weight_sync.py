@@ -1,10 +1,14 @@
 """Weight sync, sending side: the actor's shards -> HF-named buckets -> every rollout engine, by the job's transport.
 
 Each actor rank runs the bridge's export stream (gathering TP shards is collective, so every rank iterates it; only
-the senders get buckets: one rank per TP group, each PP stage its own layers, each EP rank its own experts). Per
-bucket and engine, the road (megarl/rollout/transports.py):
+the senders get buckets: one rank per TP group, each PP stage its own layers, each EP rank its own experts; on the
+object store road into hf engines every TP rank, below). Per bucket and engine, the road
+(megarl/rollout/transports.py):
 - object store: the bucket goes into Ray's object store once (as NumPy views: megarl/workers/bucket_transport.py)
-  and to every engine's worker by reference;
+  and to every engine's worker by reference. Into engines that take parts of tensors (the hf engine), nothing is
+  gathered: every TP rank sends its own part of each split tensor, cut from its shard (q/k/v per query group,
+  gate/up halves, vocabulary rows: exporter.export_hf_weights `parts`), so both cores convert and put, and the
+  engine copies each part straight into its slice of the parameter;
 - ipc, for an engine on this rank's GPU: a CUDA IPC handle on a flattened copy, no host copy. An SGLang engine gets
   SGLang's own flattened-bucket payload posted straight to its server (update_weights_from_tensor, one payload per
   engine TP rank); the hf engine's worker gets the handle through Ray. Engines elsewhere take the object store;
@@ -22,8 +26,9 @@ bucket and engine, the road (megarl/rollout/transports.py):
   the gloo group of the ranks on its GPUs and posted by the first of them.
 Gathering the next bucket overlaps the engines applying the current one, and on the host roads (object store, disk)
 also the sending itself: a sender thread copies bucket k into the object store or writes its file while this
-thread exports bucket k + 1. At most two buckets are in flight, which bounds the memory beyond the model. The norm
-weights (rollout/engine.py VERIFY_PATTERN) are kept, as sent, for the controller to verify the engines against.
+thread exports bucket k + 1. At most two buckets are in flight per sending rank, which bounds the memory beyond the
+model. The norm weights (rollout/engine.py VERIFY_PATTERN; never split, so always sent whole) are kept, as sent, for
+the controller to verify the engines against.
 """
 
 from __future__ import annotations

@@ -1,22 +1,29 @@
 """Benchmark weight sync (refit): a TP=2 Megatron actor streams its weights as HF-named buckets into an hf rollout
 engine, on CPU, at several bucket sizes, next to the memcpy bandwidth of the same bytes measured in the same run.
 
-    python tools/bench/refit.py [--bucket-mb 64,128,256,512,1024] [--reps 3] [--json results.json]
+    python tools/bench/refit.py [--bucket-mb 64,128,256,512,1024] [--reps 3] [--history] [--json results.json]
 
---json writes every number, headed by `fraction_of_memcpy` (the fastest trainer sync's bandwidth over memcpy's).
+--json writes every number, headed by `fraction_of_memcpy` (the fastest trainer sync's bandwidth over memcpy's, on
+one thread; memcpy is measured before and after the syncs and the median taken: the machine's memory bandwidth
+moves between minutes).
 
 The path is the trainer's own: Ray worker groups built as megarl/trainer/lifecycle/roles.py builds them in colocated
 mode (an actor `MegatronWorker` group of 2 ranks at TP=2, trainable, and one `RolloutWorker` with the hf engine, sharing
 two logical GPUs), and a sync is `begin_weight_update` / `sync_weights` / `finish_weight_update`, exactly as the
-trainer calls them (megarl/workers/weight_sync.py: export with the TP shards gathered on the sending rank, each
-tensor sent as a NumPy view of its bytes (megarl/workers/bucket_transport.py), `ray.put` and
-`apply_packed_bucket.remote` on a sender thread while the next bucket is exported, two buckets in flight).
-Alongside, for the profile, an instrumented copy of that loop (timers around the TP gathers, the rest of the export,
-`ray.put`, the waits, and on the engine the deserialization and `apply_bucket`) in three variants: `before` (each
-bucket pickled as torch tensors, every TP rank all-gathering every parameter: the trainer's path until 2026-11-22),
-`fix 1 alone` (NumPy transport, all-gather), `now` (the trainer's path, but sending on the exporting thread, so that
-its parts add up); and
-- `export only`: the export stream on the actor ranks, buckets dropped (TP gather, HF layout, bucketing);
+trainer calls them (megarl/workers/weight_sync.py: since 2026-11-28 no TP gather: each TP rank cuts its own parts of
+the split tensors from its shards (q/k/v per query group, gate/up halves, vocabulary rows) and sends them, each as a
+NumPy view of its bytes (megarl/workers/bucket_transport.py), `ray.put` and `apply_packed_bucket.remote` on a sender
+thread while the next bucket is exported, two buckets in flight per rank; the engine copies each part into its slice
+of the parameter). Next to it, in turns with it (A B A B, so that both share the machine's moments), the same call
+with the engine marked as taking whole tensors only: the road until 2026-11-28 (the TP shards gathered to rank 0
+over gloo, converted and sent from there alone).
+
+For the profile, an instrumented copy of that loop (timers around the TP gathers, the rest of the export, `ray.put`,
+the waits, and on the engine the deserialization and `apply_bucket`), sending on the exporting thread so that its
+parts add up, on each rank: `parts` (the trainer's road) and `gathered` (the road until 2026-11-28); with
+`--history` also `before` (each bucket pickled as torch tensors, every TP rank all-gathering every parameter: the
+road until 2026-11-22) and `fix 1 alone` (NumPy transport, all-gather). And:
+- `export only`: the export stream on the actor ranks, buckets dropped (TP gather or parts, HF layout, bucketing);
 - `engine apply only`: the engine's `apply_bucket` on buckets already in its process (the copy into the model).
 
 Memory: the RSS of the two actor ranks and the engine process, sampled every 2 ms by the driver (psutil), peak
