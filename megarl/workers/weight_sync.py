@@ -48,7 +48,7 @@ from megarl.bridge.fp8 import BlockFP8, quantize_bucket
 from megarl.checkpoint.model_io import LoadedModel
 from megarl.rollout.engine import VERIFY_PATTERN, Bucket
 from megarl.rollout.sglang_weights import unflatten
-from megarl.runtime import faults
+from megarl.runtime import cpu_compat, faults
 from megarl.workers.bucket_transport import device_uuid, pack_bucket, pack_bucket_ipc
 from megarl.workers.ipc_relay import relay_each, relay_weights
 from megarl.workers.nccl_senders import close_sender, connect_sender, kept_sender, send_in_turns
@@ -123,7 +123,9 @@ def send_weights(
     sender = ThreadPoolExecutor(1, "megarl-weight-sender") if roads and set(roads) <= HOST_ROADS else None
     parts = _sends_parts(route, roads, fp8)
     try:
-        with torch.no_grad():
+        # the export names no CUDA device: without cpu_compat's Python call on every op (a third of the CPU time
+        # of an export in parts, tools/bench/refit.py)
+        with torch.no_grad(), cpu_compat.paused():
             for bucket in export_hf_weights(model.bridge, model.hf_dtypes, bucket_bytes, parts=parts):
                 bucket = faults.tamper("sync.bucket", bucket)  # tests of the sync probe only
                 if fp8 is not None:

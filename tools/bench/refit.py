@@ -119,11 +119,12 @@ def export_only(worker, bucket_bytes: int, parts: bool) -> dict:
     import torch
 
     from megarl.bridge.exporter import export_hf_weights
+    from megarl.runtime import cpu_compat
 
     loaded = worker.model.loaded
     start = time.perf_counter()
     num_bytes = 0
-    with torch.no_grad():
+    with torch.no_grad(), cpu_compat.paused():  # as send_weights
         for bucket in export_hf_weights(loaded.bridge, loaded.hf_dtypes, bucket_bytes, parts=parts):
             num_bytes += sum(t.nbytes for _, t in bucket)
     return {"seconds": time.perf_counter() - start, "bytes": num_bytes}
@@ -218,6 +219,7 @@ def instrumented_send(
     import torch
 
     from megarl.bridge import exporter
+    from megarl.runtime import cpu_compat
 
     original_gather = exporter._gather_shards
     gather = all_gather_shards if gather_mode == "all_gather" else original_gather
@@ -240,7 +242,7 @@ def instrumented_send(
     in_flight: deque[list] = deque()
     num_buckets = 0
     try:
-        with torch.no_grad():
+        with torch.no_grad(), cpu_compat.paused():  # as send_weights
             stream = exporter.export_hf_weights(loaded.bridge, loaded.hf_dtypes, bucket_bytes, parts=parts)
             while True:
                 t0 = time.perf_counter()
