@@ -2,7 +2,7 @@
 
 A bucket entry is a whole HF tensor under its checkpoint name, or one part of it under `part_name`:
 "NAME@DIM:START:STOP" holds `NAME`'s elements START..STOP-1 along DIM (all of every other dim). Parts are what each
-TP rank sends of its own shard when the engine can take them (the sliced export: megarl/bridge/exporter.py); an
+TP rank sends of its own shard when the engine can take them (megarl/bridge/exporter.py, `parts`); an
 engine writes each part into its region of the tensor, and the tensor is complete once its parts cover it.
 """
 

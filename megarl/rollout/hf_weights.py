@@ -260,7 +260,7 @@ class WeightLoader:
         if delta is not None:
             self.apply_delta(delta)
             return
-        writes = []
+        writes, part_elements = [], dict(self.counts.part_elements)
         for name, tensor in bucket:
             found = self._find(name)
             if found is None:
@@ -272,6 +272,10 @@ class WeightLoader:
                     f"weight update: tensor {name!r} has shape {tuple(tensor.shape)}; the model expects "
                     f"{_part_shape(dest, part)}"
                 )
+            if part is not None:
+                part_elements[base] = part_elements.get(base, 0) + tensor.numel()
+                if part_elements[base] > math.prod(dest.shape):
+                    raise UserError(f"weight update: the parts sent of {base!r} overlap (more than its {dest.shape})")
             writes.append((base, dest, part, tensor))
         for base, dest, part, tensor in writes:
             self._region(dest, part).copy_(tensor)
@@ -300,12 +304,9 @@ class WeightLoader:
         if part is None:
             self.counts.loaded.add(base)
             return
-        dim, start, stop = part
-        written = self.counts.part_elements.get(base, 0) + math.prod(dest.shape) // dest.shape[dim] * (stop - start)
-        if written > math.prod(dest.shape):
-            raise UserError(f"weight update: the parts sent of {base!r} overlap (more elements than its {dest.shape})")
-        self.counts.part_elements[base] = written
-        if written == math.prod(dest.shape):
+        written = self.counts.part_elements.get(base, 0) + math.prod(_part_shape(dest, part))
+        self.counts.part_elements[base] = written  # (checked against the tensor's size before any copy)
+        if written >= math.prod(dest.shape):
             self.counts.loaded.add(base)
 
     def _destination_shape(self, name: str) -> tuple[int, ...]:
