@@ -36,10 +36,10 @@ HOST_GBPS = 10.0
 link is 64 GB/s raw; Ray's put and the engine's copy each cross host memory once)."""
 BUCKET_OVERHEAD_S = 0.01
 """Fixed cost of one bucket on the engine side (HTTP / IPC round trip plus SGLang's per-call work)."""
-CPU_REFIT_GBPS = 1.5
+CPU_REFIT_GBPS = 2.7
 """tools/bench/refit.py on this project's 2-core CPU machine: 1.02 GB from a TP=2 actor into the hf engine through
-the object store in 0.62-0.69 s in the latest runs (the 2026-11-22 table in tools/bench/README.md: 0.87-1.11
-GB/s)."""
+the object store, each TP rank sending its own parts, in 0.33-0.38 s (2026-11-28, load average 7-13; 0.62-0.69 s
+before, gathered to one rank)."""
 
 TABLE: tuple[Bandwidth, ...] = (
     Bandwidth(
@@ -80,7 +80,7 @@ TABLE: tuple[Bandwidth, ...] = (
         CPU_REFIT_GBPS,
         "GB/s",
         "measured-cpu",
-        "python tools/bench/refit.py: 1.02 GB from a TP=2 actor in 0.62-0.69 s on 2 CPU cores (latest runs)",
+        "python tools/bench/refit.py: 1.02 GB from a TP=2 actor in 0.33-0.38 s on 2 shared CPU cores (2026-11-28)",
     ),
     Bandwidth(
         "bucket_call",
