@@ -38,7 +38,7 @@ BUCKET_OVERHEAD_S = 0.01
 """Fixed cost of one bucket on the engine side (HTTP / IPC round trip plus SGLang's per-call work)."""
 CPU_REFIT_GBPS = 2.7
 """tools/bench/refit.py on this project's 2-core CPU machine: 1.02 GB from a TP=2 actor into the hf engine through
-the object store, each TP rank sending its own parts, in 0.33-0.38 s (2026-11-28, load average 7-13; 0.62-0.69 s
+the object store, each TP rank sending its own parts, in 0.32-0.38 s (2026-11-28, load average 3-13; 0.62-0.69 s
 before, gathered to one rank)."""
 
 TABLE: tuple[Bandwidth, ...] = (
@@ -80,7 +80,7 @@ TABLE: tuple[Bandwidth, ...] = (
         CPU_REFIT_GBPS,
         "GB/s",
         "measured-cpu",
-        "python tools/bench/refit.py: 1.02 GB from a TP=2 actor in 0.33-0.38 s on 2 shared CPU cores (2026-11-28)",
+        "python tools/bench/refit.py: 1.02 GB from a TP=2 actor in 0.32-0.38 s on 2 shared CPU cores (2026-11-28)",
     ),
     Bandwidth(
         "bucket_call",
