@@ -148,6 +148,14 @@ def test_parts_of_tensors_equal_from_pretrained(hf_checkpoint, other_checkpoint)
         loader.load([(part_name("model.norm.weight", (0, 0, 40)), norm[:40])])
     with pytest.raises(UserError, match=r"'model\.norm\.weight@0:60:65' lies outside 'model\.norm\.weight'"):
         loader.load([(part_name("model.norm.weight", (0, 60, 65)), torch.zeros(5))])
+    loader.reset()  # two parts whose sizes add up to the tensor's, overlapping: refused, nothing counted as loaded
+    overlapping = [
+        (part_name("model.norm.weight", (0, 0, 40)), norm[:40]),
+        (part_name("model.norm.weight", (0, 16, 40)), norm[16:40]),
+    ]
+    with pytest.raises(UserError, match=r"parts sent of 'model\.norm\.weight' overlap .*@0:16:40 and .*@0:0:40"):
+        loader.load(overlapping)
+    assert "model.norm.weight" in loader.missing()
 
 
 def test_unknown_and_misshaped_names_fail_naming_the_tensor(hf_checkpoint):

@@ -30,7 +30,6 @@ Any other unknown name raises `UserError` naming the tensor.
 from __future__ import annotations
 
 import difflib
-import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable
@@ -83,8 +82,9 @@ class LoadCounts:
     """Tensors written (a name sent twice counts twice)."""
     num_skipped: int = 0
     """Tensors ignored: derived buffers and layers the model does not hold."""
-    part_elements: dict[str, int] = field(default_factory=dict)
-    """Checkpoint names arriving in parts: the elements written so far (`loaded` once they cover the tensor)."""
+    part_spans: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    """Checkpoint names arriving in parts: the (dim, start, stop) written so far, disjoint and along one dim
+    (`loaded` once they cover the tensor)."""
 
 
 def checkpoint_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -260,7 +260,7 @@ class WeightLoader:
         if delta is not None:
             self.apply_delta(delta)
             return
-        writes, part_elements = [], dict(self.counts.part_elements)
+        writes, spans = [], {base: list(parts) for base, parts in self.counts.part_spans.items()}
         for name, tensor in bucket:
             found = self._find(name)
             if found is None:
@@ -273,9 +273,8 @@ class WeightLoader:
                     f"{_part_shape(dest, part)}"
                 )
             if part is not None:
-                part_elements[base] = part_elements.get(base, 0) + tensor.numel()
-                if part_elements[base] > math.prod(dest.shape):
-                    raise UserError(f"weight update: the parts sent of {base!r} overlap (more than its {dest.shape})")
+                _check_disjoint(base, part, spans.setdefault(base, []))
+                spans[base].append(part)
             writes.append((base, dest, part, tensor))
         for base, dest, part, tensor in writes:
             self._region(dest, part).copy_(tensor)
@@ -304,9 +303,9 @@ class WeightLoader:
         if part is None:
             self.counts.loaded.add(base)
             return
-        written = self.counts.part_elements.get(base, 0) + math.prod(_part_shape(dest, part))
-        self.counts.part_elements[base] = written  # (checked against the tensor's size before any copy)
-        if written >= math.prod(dest.shape):
+        spans = self.counts.part_spans.setdefault(base, [])
+        spans.append(part)  # (checked disjoint from the others before any copy)
+        if sum(stop - start for _, start, stop in spans) == dest.shape[part[0]]:
             self.counts.loaded.add(base)
 
     def _destination_shape(self, name: str) -> tuple[int, ...]:
@@ -328,9 +327,26 @@ class WeightLoader:
                 "weight update: a delta bucket names tensors this model does not hold "
                 f"({sorted(name for name, where in found.items() if where is None)[:3]}); send such names whole"
             )
+        spans = {base: list(parts) for base, parts in self.counts.part_spans.items()}
+        for base, _, part in found.values():
+            if part is not None:
+                _check_disjoint(base, part, spans.setdefault(base, []))
+                spans[base].append(part)
         apply_delta(delta, lambda name: self._region(found[name][1], found[name][2]))
         for base, dest, part in found.values():
             self._count(base, dest, part)
+
+
+def _check_disjoint(base: str, part: tuple[int, int, int], written: list[tuple[int, int, int]]) -> None:
+    """Parts of one tensor are slices along one dim that do not overlap: then they cover it exactly once when their
+    lengths add up to its size."""
+    dim, start, stop = part
+    for other_dim, other_start, other_stop in written:
+        if other_dim != dim or (start < other_stop and other_start < stop):
+            raise UserError(
+                f"weight update: the parts sent of {base!r} overlap ({base}@{dim}:{start}:{stop} and "
+                f"{base}@{other_dim}:{other_start}:{other_stop})"
+            )
 
 
 def _part_shape(dest: Destination, part: Part) -> tuple[int, ...]:
