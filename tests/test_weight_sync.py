@@ -3,7 +3,9 @@
 Checks the issue's contract: after a sync the engine holds exactly the actor's exported tensors; its greedy output
 equals greedy decoding with the Megatron actor; its log-probs match the actor's within 1e-4 (fp32); after an update
 and another sync, both change together. At TP=2 each rank sends its own parts of the split tensors (no gather),
-whole and as deltas: the engine's tensors equal the gathered export's bit for bit.
+whole and as deltas: the engine's tensors equal the gathered export's bit for bit. The ranks write the engine's
+weights in shared memory in place (its own road on one node; delta buckets still go by the object store), and the
+object store road (an engine on another node) gives the same bits.
 """
 
 from __future__ import annotations
@@ -75,13 +77,15 @@ def build(folder, parallel: ParallelConfig):
     return pool, actor, rollout
 
 
-def sync(actor, rollout, version: int, disk_dir=None, delta: str = "off") -> dict:
-    """A sync as the trainer runs it: by the object store, or (disk_dir given) by files every engine reads; `delta`:
-    the route's rollout.weight_sync_delta for this sync (off, full, delta)."""
+def sync(actor, rollout, version: int, disk_dir=None, delta: str = "off", shared: bool = True) -> dict:
+    """A sync as the trainer runs it: into the engine's shared weights (`shared`, the trainer's road into a CPU hf
+    engine on the actor's node), by the object store, or (disk_dir given) by files every engine reads; `delta`: the
+    route's rollout.weight_sync_delta for this sync (off, full, delta)."""
     import dataclasses
 
     rollout.call("begin_weight_update", version)
-    route = dataclasses.replace(SyncRoute.to_workers(rollout.workers), delta=delta)
+    descriptions = rollout.call("shared_weights") if shared else None
+    route = dataclasses.replace(SyncRoute.to_workers(rollout.workers, shared=descriptions), delta=delta)
     if disk_dir is not None:
         route = SyncRoute("disk", route.engines, disk_dir=str(disk_dir))
     sent = actor.call("sync_weights", route, version, 64 * 1024, collect="all")
@@ -89,7 +93,10 @@ def sync(actor, rollout, version: int, disk_dir=None, delta: str = "off") -> dic
         rollout.call("load_weights_from_disk", str(disk_dir))
     rollout.call("finish_weight_update", version)
     totals = {key: sum(s[key] for s in sent) for key in ("tensors", "buckets", "bytes", "full_bytes")}
-    return totals | {"senders": sum(s["bytes"] > 0 for s in sent)}
+    return totals | {
+        "senders": sum(s["bytes"] > 0 for s in sent),
+        "shared_memory_engines": max(s.get("shared_memory_engines", 0.0) for s in sent),
+    }
 
 
 def engine_tensors(rollout, names: list[str]) -> dict[str, torch.Tensor]:
@@ -145,7 +152,7 @@ def test_sync_gives_the_engine_the_actors_weights_and_outputs(built, name, paral
     _, actor, rollout = built(name, parallel)
     one_update(actor)  # the engine still has the checkpoint's weights; the actor moved
     stats = sync(actor, rollout, version=1, delta="full")
-    assert stats["bytes"] == stats["full_bytes"]
+    assert stats["bytes"] == stats["full_bytes"] and stats["shared_memory_engines"] == 1  # written in place
     assert stats["buckets"] > 1  # 64 KiB buckets: the stream really is cut
     exported = {n: t for share in actor.call("export_weights", collect="all") for n, t in share}
     # at TP=2 each rank sent its own parts of the split tensors (no gather); the engine holds the gathered export
@@ -164,6 +171,13 @@ def test_sync_gives_the_engine_the_actors_weights_and_outputs(built, name, paral
     assert all(torch.equal(now[n], moved[n]) for n in now)  # bit for bit after the delta
     assert any(not torch.equal(exported[n], moved[n]) for n in exported)
     assert after != before  # the update changed what the engine generates, and it still matches the actor
+    one_update(actor)
+    stats = sync(actor, rollout, version=3, shared=False)  # the object store road (an engine on another node)
+    assert stats["shared_memory_engines"] == 0
+    now = {n: t for share in actor.call("export_weights", collect="all") for n, t in share}
+    in_engine = engine_tensors(rollout, list(now))
+    assert all(torch.equal(now[n], in_engine[n]) for n in now)
+    check_engine_matches_actor(actor, rollout)
 
 
 def test_disk_road_gives_the_engine_every_senders_weights(built, tmp_path):
@@ -173,10 +187,10 @@ def test_disk_road_gives_the_engine_every_senders_weights(built, tmp_path):
     one_update(actor)
     before = {n: t for share in actor.call("export_weights", collect="all") for n, t in share}
     assert any(not torch.equal(before[n], t) for n, t in engine_tensors(rollout, list(before)).items())
-    stats = sync(actor, rollout, version=3, disk_dir=tmp_path)
+    stats = sync(actor, rollout, version=4, disk_dir=tmp_path)
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert len(files) == stats["buckets"] and {f[:9] for f in files} == {"rank00000", "rank00001"}
     in_engine = engine_tensors(rollout, list(before))
     assert all(torch.equal(before[n], in_engine[n]) for n in before)
-    assert rollout.call("health", collect="rank0")["weight_version"] == 3
+    assert rollout.call("health", collect="rank0")["weight_version"] == 4
     check_engine_matches_actor(actor, rollout)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from megarl.rollout.engine import MEMORY_TAGS, Bucket, Completion, GenerateReque
 from megarl.rollout.hf_sampling import StopStringWatcher, sample_tokens
 from megarl.rollout.hf_weights import WeightLoader
 from megarl.rollout.routing import RoutingRecorder
+from megarl.rollout.shared_weights import SharedWeights, move_to_shared_memory, region_of
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +109,8 @@ class HFEngine(RolloutEngine):
         self._generating = False
         self._updating_to: int | None = None
         self._num_decode_steps = 0
+        self._shared: tuple[object, int, SharedWeights] | None = None
+        """(mapping, memfd, description) once the weights are in shared memory (`share_weights`)."""
 
     # ---- construction -------------------------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
@@ -333,6 +337,30 @@ class HFEngine(RolloutEngine):
                 raise RuntimeError("hf engine: apply_bucket outside begin_weight_update / finish_weight_update")
             self.weights.load(bucket)
 
+    def share_weights(self, node_id: str) -> SharedWeights | None:
+        """Move the weights into shared memory (once) for the trainer's ranks on this node to write them in place
+        (megarl/rollout/shared_weights.py); None for an engine on a GPU (its roads are CUDA IPC and the object
+        store)."""
+        with self._lock:
+            self._check_alive()
+            if self.device.type != "cpu":
+                return None
+            if self._shared is None:
+                mapping, fd, token = move_to_shared_memory(self.model, self.weights.targets())
+                regions = {name: region_of(tensor) for name, tensor in self.weights.regions().items()}
+                path = f"/proc/{os.getpid()}/fd/{fd}"
+                self._shared = (mapping, fd, SharedWeights(node_id, path, len(mapping), token, regions))
+                logger.info("hf engine: weights in shared memory (%.2f GB, %s)", len(mapping) / 1e9, path)
+            return self._shared[2]
+
+    def apply_shared_writes(self, names: list[str]) -> None:
+        """Count the entries a sending rank wrote into the shared weights itself (checked as `apply_bucket` checks a
+        bucket's)."""
+        with self._lock:
+            if self._updating_to is None:
+                raise RuntimeError("hf engine: shared weights written outside a weight update (begin .. finish)")
+            self.weights.record_written(names)
+
     def finish_weight_update(self, version: int) -> None:
         with self._lock:
             if self._updating_to != version:
@@ -398,6 +426,9 @@ class HFEngine(RolloutEngine):
         with self._lock:
             self.model = None
             self.weights = None
+            if self._shared is not None:  # the memory is freed once no sending rank maps it either
+                os.close(self._shared[1])
+                self._shared = None
 
     def _check_alive(self) -> None:
         if self.model is None:

@@ -280,6 +280,31 @@ class WeightLoader:
             self._region(dest, part).copy_(tensor)
             self._count(base, dest, part)
 
+    def regions(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> the model's tensor (a view) it is written into."""
+        return {name: self._region(dest, None) for name, dest in self.plan.items()}
+
+    def targets(self) -> list[torch.Tensor]:
+        """The model's tensors that checkpoint tensors are written into."""
+        return list(self._tensors.values())
+
+    def record_written(self, names: Iterable[str]) -> None:
+        """Count entries a sender wrote into the model's memory itself (megarl/rollout/shared_weights.py), with the
+        checks `load` makes: known names, parts within bounds and disjoint. The bytes are already in place here: a
+        failure fails the update, and the engine's worker then refuses to generate until a full one."""
+        found = [self._find(name) for name in names]
+        spans = {base: list(parts) for base, parts in self.counts.part_spans.items()}
+        for where in filter(None, found):
+            base, _, part = where
+            if part is not None:
+                _check_disjoint(base, part, spans.setdefault(base, []))
+                spans[base].append(part)
+        for where in found:
+            if where is None:
+                self.counts.num_skipped += 1
+            else:
+                self._count(*where)
+
     def _find(self, name: str) -> tuple[str, Destination, Part] | None:
         """(checkpoint name, its destination, the part or None) of a bucket entry's name; None for a skipped one."""
         split = split_part_name(name)

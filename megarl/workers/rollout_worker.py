@@ -24,6 +24,7 @@ a delta update is refused while it is fenced (megarl/trainer/rollout_side/engine
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,8 @@ from megarl.rollout.sglang_server import NodePlace, reap_process_groups
 from megarl.runtime import faults
 from megarl.workers.bucket_transport import IpcBucket, PackedTensor, unpack_bucket, unpack_bucket_ipc
 from megarl.workers.engine_nodes import EngineNodeSlot
+
+log = logging.getLogger(__name__)
 
 ENGINES = {
     "hf": "megarl.rollout.hf_engine:HFEngine",
@@ -254,6 +257,31 @@ class RolloutWorker(Worker):
     def apply_ipc_bucket(self, packed: IpcBucket) -> None:
         """A bucket shared from a colocated actor rank's GPU (CUDA IPC): copied into the engine before returning."""
         self.apply_bucket(unpack_bucket_ipc(packed))
+
+    def shared_weights(self):
+        """The engine's weights in shared memory, for the trainer's ranks on this node to write in place
+        (megarl/rollout/shared_weights.py: a CPU hf engine); None for other engines, or where this machine offers no
+        shared-memory file (the object store road then)."""
+        share = getattr(self.engine, "share_weights", None)
+        if share is None:
+            return None
+        import ray
+
+        with self._lock:
+            try:
+                return self._on_engine_thread(share, ray.get_runtime_context().get_node_id())
+            except OSError as err:
+                log.warning("rollout engine %d: weights not in shared memory (%s): object store road", self.rank, err)
+                return None
+
+    def apply_shared_writes(self, names: list[str], nbytes: int) -> None:
+        """What a sending rank wrote into the engine's shared weights itself (`shared_weights`): checked and counted
+        as a bucket's tensors."""
+        faults.hit("rollout.sync_bucket")  # between buckets of a sync (tools/faults/engine_faults.py)
+        with self._lock:
+            self._checked(self.engine.apply_shared_writes, names)
+            self._sync_tensors += len(names)
+            self._sync_bytes += nbytes
 
     def device_uuids(self) -> list[str]:
         """The GPUs the engine runs on: actor ranks on one of them send CUDA IPC buckets instead of host copies."""

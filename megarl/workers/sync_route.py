@@ -5,8 +5,12 @@ heavy: the controller builds it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megarl.rollout.sglang_weights import SGLangEndpoint
+
+if TYPE_CHECKING:
+    from megarl.rollout.shared_weights import SharedWeights
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,9 @@ class EngineTarget:
     takes_parts: bool = False
     """The engine takes parts of tensors (megarl/bridge/buckets.py `part_name`: the hf engine): on the object store
     road every TP rank then sends its own parts, with no gather (megarl/workers/weight_sync.py)."""
+    shared_weights: SharedWeights | None = None
+    """A CPU hf engine's weights in shared memory (megarl/rollout/shared_weights.py): the ranks on its node write
+    into them in place instead of going through the object store."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,21 @@ class SyncRoute:
     they are."""
 
     @classmethod
-    def to_workers(cls, workers: list, transport: str = "object_store", devices: list[list[str]] | None = None):
-        """A route to hf engine workers (tests and benchmarks)."""
+    def to_workers(
+        cls,
+        workers: list,
+        transport: str = "object_store",
+        devices: list[list[str]] | None = None,
+        shared: list[SharedWeights | None] | None = None,
+    ):
+        """A route to hf engine workers (tests and benchmarks); `shared`: each engine's shared weights, if any
+        (RolloutWorker.shared_weights)."""
         devices = devices or [[] for _ in workers]
-        return cls(transport, tuple(EngineTarget(w, tuple(d), takes_parts=True) for w, d in zip(workers, devices)))
+        shared = shared or [None for _ in workers]
+        return cls(
+            transport,
+            tuple(
+                EngineTarget(w, tuple(d), takes_parts=True, shared_weights=s)
+                for w, d, s in zip(workers, devices, shared)
+            ),
+        )

@@ -9,6 +9,10 @@ object store road into hf engines every TP rank, below). Per bucket and engine, 
   gathered: every TP rank sends its own part of each split tensor, cut from its shard (q/k/v per query group,
   gate/up halves, vocabulary rows: exporter.export_hf_weights `parts`), so both cores convert and put, and the
   engine copies each part straight into its slice of the parameter;
+- shared memory, for a CPU hf engine on this rank's node (megarl/rollout/shared_weights.py): the engine's weights
+  live in a shared-memory file this rank maps, and the rank copies each tensor or part straight from its shard into
+  the engine's tensor, then tells the engine what it wrote: one copy per byte instead of the object store's two.
+  What the file does not hold, and delta buckets (verified by the engine before applying), take the object store;
 - ipc, for an engine on this rank's GPU: a CUDA IPC handle on a flattened copy, no host copy. An SGLang engine gets
   SGLang's own flattened-bucket payload posted straight to its server (update_weights_from_tensor, one payload per
   engine TP rank); the hf engine's worker gets the handle through Ray. Engines elsewhere take the object store;
@@ -33,6 +37,7 @@ the controller to verify the engines against.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections import deque
@@ -48,12 +53,15 @@ from megarl.bridge.fp8 import BlockFP8, quantize_bucket
 from megarl.checkpoint.model_io import LoadedModel
 from megarl.rollout.engine import VERIFY_PATTERN, Bucket
 from megarl.rollout.sglang_weights import unflatten
+from megarl.rollout.shared_weights import SharedWeightsUnavailable, SharedWeightsWriter
 from megarl.runtime import cpu_compat, faults
 from megarl.workers.bucket_transport import device_uuid, pack_bucket, pack_bucket_ipc
 from megarl.workers.ipc_relay import relay_each, relay_weights
 from megarl.workers.nccl_senders import close_sender, connect_sender, kept_sender, send_in_turns
 from megarl.workers.sync_route import SyncRoute
-from megarl.workers.weight_delta import DeltaEncoder, delta_to_bucket
+from megarl.workers.weight_delta import CHECKSUM_NAME, DeltaEncoder, delta_to_bucket
+
+log = logging.getLogger(__name__)
 
 MAX_BUCKETS_IN_FLIGHT = 2
 HOST_ROADS = frozenset({"object_store", "disk"})
@@ -84,6 +92,9 @@ class SenderState:
     """The delta road: what this rank last sent (megarl/workers/weight_delta.py)."""
     relay: object | None = None
     """The ipc_relay road: this rank's engine group (ipc_relay.RelayGroups), created at the first sync."""
+    shared: dict[str, SharedWeightsWriter | None] = field(default_factory=dict)
+    """The shared memory road: this rank's mapping of each engine's weights, by the file's token (None: the file
+    cannot be opened from here; said once). Mappings of engines no longer in the route are dropped."""
 
 
 def send_weights(
@@ -116,7 +127,7 @@ def send_weights(
     sent_bytes = sent_tensors = num_buckets = full_bytes = 0
     if route.delta == "full":
         state.delta.reset()
-    roads = _roads(route)
+    roads = _roads(route, state)
     samples: Bucket = []
     verify = re.compile(VERIFY_PATTERN)
     fp8 = BlockFP8.from_config(route.quantization, "rollout.weights_format") if route.quantization else None
@@ -161,6 +172,7 @@ def send_weights(
         "seconds": time.perf_counter() - start,
         "ipc_engines": float(sum(road == "ipc" for road in roads)),
         "in_process_engines": float(sum(road == "in_process" for road in roads)),
+        "shared_memory_engines": float(sum(road == "shared_memory" for road in roads)),
         "samples": samples,
     }
 
@@ -182,15 +194,50 @@ def _relay_in_process(buckets, state: SenderState, keep_samples: bool) -> dict:
     return sent | {"full_bytes": sent["bytes"], "ipc_engines": 0.0, "in_process_engines": 1.0}
 
 
-def _roads(route: SyncRoute) -> list[str]:
-    """Per engine: in_process, ipc (on this rank's GPU), nccl, disk or object_store."""
+def _roads(route: SyncRoute, state: SenderState) -> list[str]:
+    """Per engine: in_process, ipc (on this rank's GPU), nccl, disk, shared_memory (a CPU hf engine on this rank's
+    node) or object_store."""
     if route.transport in ("nccl", "disk", "in_process"):
         return [route.transport] * len(route.engines)
     mine = device_uuid(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
-    return [
-        "ipc" if route.transport == "ipc" and mine is not None and mine in engine.devices else "object_store"
-        for engine in route.engines
-    ]
+    _keep_shared(route, state)
+    roads = []
+    for engine in route.engines:
+        if route.transport == "ipc" and mine is not None and mine in engine.devices:
+            roads.append("ipc")
+        elif _shared_writer(engine, state) is not None:
+            roads.append("shared_memory")
+        else:
+            roads.append("object_store")
+    return roads
+
+
+def _keep_shared(route: SyncRoute, state: SenderState) -> None:
+    """Unmap the shared weights of engines the route no longer has (replaced after a failure): their memory is
+    freed once nobody maps it."""
+    current = {engine.shared_weights.token for engine in route.engines if engine.shared_weights is not None}
+    for token in list(state.shared):
+        if token not in current:
+            writer = state.shared.pop(token)
+            if writer is not None:
+                writer.close()
+
+
+def _shared_writer(engine, state: SenderState) -> SharedWeightsWriter | None:
+    """This rank's mapping of the engine's shared weights, opened at the first sync; None where there are none or
+    they cannot be opened from here (the object store then, said once)."""
+    shared = engine.shared_weights
+    if shared is None:
+        return None
+    if shared.token not in state.shared:
+        import ray
+
+        try:
+            state.shared[shared.token] = SharedWeightsWriter(shared, ray.get_runtime_context().get_node_id())
+        except SharedWeightsUnavailable as err:
+            log.info("weight sync: engine's shared weights not writable from this rank (%s): object store", err)
+            state.shared[shared.token] = None
+    return state.shared[shared.token]
 
 
 def _sends_parts(route: SyncRoute, roads: list[str], fp8: BlockFP8 | None) -> bool:
@@ -200,7 +247,7 @@ def _sends_parts(route: SyncRoute, roads: list[str], fp8: BlockFP8 | None) -> bo
     then holds its own parts, and the engine checks each bucket's checksum over the parts it carries."""
     return (
         bool(roads)
-        and all(road == "object_store" for road in roads)
+        and all(road in ("object_store", "shared_memory") for road in roads)
         and all(engine.takes_parts for engine in route.engines)
         and fp8 is None
     )
@@ -232,10 +279,22 @@ def _send_bucket(bucket: Bucket, route: SyncRoute, roads: list[str], state: Send
             client = SGLangClient(engine.sglang.url, control_timeout_s=route.timeout_s)
             device = torch.device("cuda", torch.cuda.current_device())
             send_flattened_bucket(client, bucket, num_ranks=engine.sglang.num_ranks, device=device)
-    by_store = [e for e, road in zip(route.engines, roads) if road == "object_store"]
-    if by_store:
-        ref = ray.put(pack_bucket(bucket))  # copied into the object store: parameters may change afterwards
-        calls += [engine.worker.apply_packed_bucket.remote(ref) for engine in by_store]
+    by_store = [(e, bucket) for e, road in zip(route.engines, roads) if road == "object_store"]
+    for engine, road in zip(route.engines, roads):
+        if road != "shared_memory":
+            continue
+        if any(name == CHECKSUM_NAME for name, _ in bucket):  # a delta: the engine verifies it before applying
+            by_store.append((engine, bucket))
+            continue
+        written, nbytes, rest = state.shared[engine.shared_weights.token].write(bucket)
+        calls.append(engine.worker.apply_shared_writes.remote(written, nbytes))
+        if rest:
+            by_store.append((engine, rest))
+    refs: dict[int, object] = {}  # one copy into the object store per distinct bucket
+    for engine, entries in by_store:
+        if id(entries) not in refs:
+            refs[id(entries)] = ray.put(pack_bucket(entries))  # copied: parameters may change afterwards
+        calls.append(engine.worker.apply_packed_bucket.remote(refs[id(entries)]))
     return calls, keep_alive
 
 

@@ -341,6 +341,7 @@ class Bench:
         ]
         for call in setups:
             call.result()
+        self.shared = self.rollout.call("shared_weights")  # the engine's weights move into shared memory
         self.processes = [*self.actor.workers, *self.rollout.workers]
         names = ["actor rank 0", "actor rank 1", "engine"]
         pids = ray.get([w.__ray_call__.remote(worker_pid) for w in self.processes])
@@ -363,15 +364,18 @@ class Bench:
         self.rollout.call("finish_weight_update", self.version)  # strict: fails unless every tensor arrived
         return seconds, memory, out
 
-    def sync(self, bucket_bytes: int, parts: bool = True):
-        """The trainer's call, as in megarl/trainer: every actor rank runs `send_weights` to every engine; `parts`
-        False: the engine marked as taking whole tensors only (the road until 2026-11-28: gathered to rank 0)."""
+    def sync(self, bucket_bytes: int, road: str = "shared_memory"):
+        """The trainer's call, as in megarl/trainer: every actor rank runs `send_weights` to every engine, by
+        `road`: shared_memory (the trainer's road into a CPU hf engine since 2026-11-29: each rank writes its parts
+        into the engine's shared weights), parts (each rank its parts through the object store, 2026-11-28) or
+        gathered (the engine marked as taking whole tensors only: gathered to TP rank 0, until 2026-11-28)."""
         import dataclasses
 
         from megarl.workers.weight_sync import SyncRoute
 
-        route = SyncRoute.to_workers(self.rollout.workers)
-        if not parts:
+        shared = self.shared if road == "shared_memory" else None
+        route = SyncRoute.to_workers(self.rollout.workers, shared=shared)
+        if road == "gathered":
             engines = tuple(dataclasses.replace(e, takes_parts=False) for e in route.engines)
             route = dataclasses.replace(route, engines=engines)
         return self.actor.call("sync_weights", route, self.version, bucket_bytes, collect="all")
@@ -407,9 +411,13 @@ class Bench:
     def bucket_size(self, bucket_bytes: int) -> dict:
         row = {"bucket_bytes": bucket_bytes}
         size = f"  bucket {bucket_bytes / MB:g} MB"
-        print(f"{size}: trainer path (sync_weights), in parts and gathered ...", flush=True)
+        print(f"{size}: trainer path (sync_weights): shared memory, parts by object store, gathered ...", flush=True)
         row |= self.repeated(
-            {"sync": lambda: self.sync(bucket_bytes), "sync_gathered": lambda: self.sync(bucket_bytes, parts=False)}
+            {
+                "sync": lambda: self.sync(bucket_bytes),
+                "sync_parts": lambda: self.sync(bucket_bytes, "parts"),
+                "sync_gathered": lambda: self.sync(bucket_bytes, "gathered"),
+            }
         )
         print(f"{size}: instrumented, export only, engine apply only ...", flush=True)
         variants = {
@@ -518,7 +526,8 @@ def tables(result: dict) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
     paths = [
-        ("sync", "trainer (`sync_weights`): parts from both TP ranks"),
+        ("sync", "trainer (`sync_weights`): both TP ranks write into the engine's shared memory"),
+        ("sync_parts", "trainer, parts from both TP ranks by the object store (2026-11-28)"),
         ("sync_gathered", "trainer, gathered to TP rank 0 (until 2026-11-28)"),
         ("before", "before: torch pickling, all-gather"),
         ("numpy", "fix 1 alone: NumPy transport, all-gather"),

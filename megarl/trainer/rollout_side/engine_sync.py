@@ -155,6 +155,7 @@ class WeightSync:
             "sync/weight_version": float(version),
             "sync/ipc_engines": max(s["ipc_engines"] for s in sent),
             "sync/in_process_engines": max(s["in_process_engines"] for s in sent),
+            "sync/shared_memory_engines": max(s.get("shared_memory_engines", 0.0) for s in sent),
             "sync/verified_tensors": float(verified),
         }
 
@@ -231,9 +232,12 @@ class WeightSync:
         devices = rollout.call("device_uuids") if self.roles.colocated else [[] for _ in rollout.workers]
         endpoints = rollout.call("sglang_endpoint")
         parts = self.rollout.backend == "hf"  # the hf engine writes parts of tensors in place (hf_weights.py)
+        # a CPU hf engine's weights in shared memory: the ranks on its node write them in place (shared_weights.py)
+        host_road = parts and self.transport in ("ipc", "object_store")
+        shared = rollout.call("shared_weights") if host_road else [None for _ in rollout.workers]
         engines = tuple(
-            EngineTarget(worker, tuple(d), endpoint, takes_parts=parts)
-            for worker, d, endpoint in zip(rollout.workers, devices, endpoints)
+            EngineTarget(worker, tuple(d), endpoint, takes_parts=parts, shared_weights=s)
+            for worker, d, endpoint, s in zip(rollout.workers, devices, endpoints, shared)
         )
         fmt = "fp8" if self.quantization else "as trained"
         log.info("weight sync: %s into %d engine(s), weights %s", self.transport, len(engines), fmt)
