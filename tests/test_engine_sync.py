@@ -44,7 +44,7 @@ def sent(samples):
 def make(verify: str, problems=None, send=None):
     norm = [("model.norm.weight", torch.ones(4))]
     rollout = Group({
-        "device_uuids": [[], []], "sglang_endpoint": [None, None],
+        "device_uuids": [[], []], "sglang_endpoint": [None, None], "shared_weights": [None, None],
         "finish_weight_update": [SyncStats(1, 1, 8, 0.1)] * 2,
         "verify_weights": problems if problems is not None else [[], []],
     })  # fmt: skip
@@ -199,12 +199,12 @@ def test_a_failed_broadcast_closes_the_group_so_the_next_sync_starts_clean(monke
 
 def test_ipc_road_needs_the_engine_on_this_ranks_gpu():
     from megarl.workers.sync_route import EngineTarget, SyncRoute
-    from megarl.workers.weight_sync import _roads
+    from megarl.workers.weight_sync import SenderState, _roads
 
     engines = (EngineTarget("w0", ("GPU-a",)), EngineTarget("w1", ()))
-    assert _roads(SyncRoute("object_store", engines)) == ["object_store", "object_store"]
+    assert _roads(SyncRoute("object_store", engines), SenderState()) == ["object_store", "object_store"]
     # no GPU here: no engine shares this rank's GPU, both take the object store
-    assert _roads(SyncRoute("ipc", engines)) == ["object_store", "object_store"]
+    assert _roads(SyncRoute("ipc", engines), SenderState()) == ["object_store", "object_store"]
 
 
 def test_the_sending_side_starts_no_ray_of_its_own():
@@ -265,7 +265,7 @@ def test_disk_sync_writes_a_fresh_folder_has_engines_read_it_and_removes_it(tmp_
         return [sent([]), sent([])]
 
     rollout = Group({
-        "device_uuids": [[], []], "sglang_endpoint": [None, None],
+        "device_uuids": [[], []], "sglang_endpoint": [None, None], "shared_weights": [None, None],
         "finish_weight_update": [SyncStats(1, 1, 8, 0.1)] * 2,
         "load_weights_from_disk": lambda folder: seen.setdefault("read", folder),
     })  # fmt: skip

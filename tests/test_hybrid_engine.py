@@ -55,8 +55,8 @@ def test_the_hybrid_engine_trains_exactly_as_an_engine_worker(tmp_path):
         runs[mode] = metrics(folder / "run")
     assert all(step["sync/in_process_engines"] == 1 for step in runs["auto"])
     assert all(step["sync/in_process_engines"] == 0 for step in runs["off"])
-    # the engine worker's weights are in shared memory: the actor's ranks write them in place
-    assert all(step["sync/shared_memory_engines"] == 1 for step in runs["off"])
+    # the engine workers' weights are in shared memory: the actor's ranks write them in place (both engines)
+    assert all(step["sync/shared_memory_engines"] == 2 for step in runs["off"])
     # a CPU machine hands nothing over (placement.handover=auto) and samples memory at the update only
     assert not [r for r in read_samples(tmp_path / "auto" / "run") if r["name"] == "handover"]
     assert all({k for k in step if k.startswith("memory/")} == {"memory/update/rss_gb"} for step in runs["auto"])

@@ -25,6 +25,8 @@ from megarl.rollout.engine import GenerateRequest
 from megarl.rollout.hf_engine import HFEngine
 from megarl.rollout.shared_weights import SharedWeightsUnavailable, SharedWeightsWriter
 from megarl.testing.tiny_checkpoint import make_hf_checkpoint
+from megarl.workers.sync_route import SyncRoute
+from megarl.workers.weight_sync import SenderState, _roads
 
 NODE = "node-a"
 
@@ -138,7 +140,26 @@ def test_bad_writes_are_refused_naming_the_tensor(hf_checkpoint):
         SharedWeightsWriter(shared, "node-b")
     with pytest.raises(SharedWeightsUnavailable, match="not the engine's file"):
         SharedWeightsWriter(dataclasses.replace(shared, token="0" * 32), NODE)
+    assert writer.engine_alive()
     engine.shutdown()
+    assert not writer.engine_alive()  # the sender unmaps it at its next sync (weight_sync._keep_shared)
     with pytest.raises(SharedWeightsUnavailable, match="cannot open"):
         SharedWeightsWriter(shared, NODE)  # the engine is gone
     writer.close()
+
+
+def test_a_rank_that_cannot_write_the_file_takes_the_object_store(hf_checkpoint):
+    """The road per engine, as each sending rank picks it: in place where it can map the engine's file (kept
+    between syncs), the object store where it cannot (here: no Ray node, as for a rank on another node), and the
+    mapping dropped once the engine is gone."""
+    engine = engine_on(hf_checkpoint("tiny-qwen3"))
+    shared = engine.share_weights("(no Ray node)")  # what this process, outside Ray, calls its node
+    elsewhere = dataclasses.replace(shared, node_id="node-b", token="1" * 32)
+    state = SenderState()
+    route = SyncRoute.to_workers([None, None], shared=[shared, elsewhere])
+    assert _roads(route, state) == ["shared_memory", "object_store"]
+    writer = state.shared[shared.token]
+    assert _roads(route, state) == ["shared_memory", "object_store"] and state.shared[shared.token] is writer
+    engine.shutdown()
+    _roads(SyncRoute.to_workers([None], shared=[elsewhere]), state)
+    assert state.shared == {elsewhere.token: None}  # the gone engine's mapping is closed

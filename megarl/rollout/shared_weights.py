@@ -123,8 +123,10 @@ class SharedWeightsWriter:
         except OSError as err:
             raise SharedWeightsUnavailable(f"cannot open {shared.path}: {err}") from err
         try:
-            if os.fstat(fd).st_size != shared.nbytes:
+            stat = os.fstat(fd)
+            if stat.st_size != shared.nbytes:
                 raise SharedWeightsUnavailable(f"{shared.path} is not the engine's file (another size)")
+            self._file = (stat.st_dev, stat.st_ino)
             # MAP_POPULATE: the page table is filled here, once, not by faults during the first sync's copies
             self._mapping = mmap.mmap(fd, shared.nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
@@ -174,6 +176,15 @@ class SharedWeightsWriter:
         for _, region, tensor in writes:
             region.copy_(tensor)
         return [name for name, _, _ in writes], sum(t.nbytes for _, _, t in writes), rest
+
+    def engine_alive(self) -> bool:
+        """Whether the engine still holds the file (its process lives): else this mapping is all that keeps the
+        memory, and it should be closed."""
+        try:
+            stat = os.stat(self.shared.path)
+        except OSError:
+            return False
+        return (stat.st_dev, stat.st_ino) == self._file
 
     def close(self) -> None:
         """Unmap the file (the engine's memory is freed once no process maps it)."""

@@ -94,7 +94,7 @@ class SenderState:
     """The ipc_relay road: this rank's engine group (ipc_relay.RelayGroups), created at the first sync."""
     shared: dict[str, SharedWeightsWriter | None] = field(default_factory=dict)
     """The shared memory road: this rank's mapping of each engine's weights, by the file's token (None: the file
-    cannot be opened from here; said once). Mappings of engines no longer in the route are dropped."""
+    cannot be opened from here; said once). Mappings of engines that are gone are dropped."""
 
 
 def send_weights(
@@ -213,14 +213,15 @@ def _roads(route: SyncRoute, state: SenderState) -> list[str]:
 
 
 def _keep_shared(route: SyncRoute, state: SenderState) -> None:
-    """Unmap the shared weights of engines the route no longer has (replaced after a failure): their memory is
-    freed once nobody maps it."""
+    """Unmap the shared weights of engines that are gone (replaced after a failure): their memory is freed once
+    nobody maps it. (Not by the route: a sync into one restarted engine names that engine only.)"""
     current = {engine.shared_weights.token for engine in route.engines if engine.shared_weights is not None}
-    for token in list(state.shared):
-        if token not in current:
-            writer = state.shared.pop(token)
-            if writer is not None:
-                writer.close()
+    for token, writer in list(state.shared.items()):
+        if writer is None and token not in current:
+            del state.shared[token]
+        elif writer is not None and not writer.engine_alive():
+            del state.shared[token]
+            writer.close()
 
 
 def _shared_writer(engine, state: SenderState) -> SharedWeightsWriter | None:
@@ -232,8 +233,9 @@ def _shared_writer(engine, state: SenderState) -> SharedWeightsWriter | None:
     if shared.token not in state.shared:
         import ray
 
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "(no Ray node)"
         try:
-            state.shared[shared.token] = SharedWeightsWriter(shared, ray.get_runtime_context().get_node_id())
+            state.shared[shared.token] = SharedWeightsWriter(shared, node)
         except SharedWeightsUnavailable as err:
             log.info("weight sync: engine's shared weights not writable from this rank (%s): object store", err)
             state.shared[shared.token] = None
