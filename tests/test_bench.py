@@ -83,11 +83,14 @@ def test_refit_benchmark_runs_at_a_tiny_size(bench_modules, tmp_path):
     result = refit.main(["--tiny", "--bucket-mb", "0.0625", "--warmup", "0", "--reps", "1", "--json", str(out)])
     (row,) = result["rows"]
     assert result["sent_bytes"] > 0.9 * result["model_bytes"]  # the safetensors file adds a header
-    for path in ("sync", "sync_gathered", "parts", "now"):
+    for path in ("sync", "sync_parts", "sync_gathered", "parts", "now"):
         assert (
             row[path]["seconds"] == statistics.median(row[path]["all_seconds"]) and len(row[path]["all_seconds"]) == 1
         )
         assert set(row[path]["extra_memory"]) == {"actor rank 0", "actor rank 1", "engine"}
+    # the trainer's road writes into the engine's shared memory from both ranks; the others go by the object store
+    assert [r["shared_memory_engines"] for r in row["sync"]["returned"]] == [1.0, 1.0]
+    assert [r["shared_memory_engines"] for r in row["sync_parts"]["returned"]] == [0.0, 0.0]
     assert row["now"]["returned"][0]["buckets"] > 1  # 64 KiB buckets: the stream is cut
     assert row["now"]["returned"][1]["buckets"] == 0 < row["parts"]["returned"][1]["buckets"]  # rank 1 sends parts
     # the headline is the table's "% of memcpy" of the trainer's sync

@@ -36,10 +36,10 @@ HOST_GBPS = 10.0
 link is 64 GB/s raw; Ray's put and the engine's copy each cross host memory once)."""
 BUCKET_OVERHEAD_S = 0.01
 """Fixed cost of one bucket on the engine side (HTTP / IPC round trip plus SGLang's per-call work)."""
-CPU_REFIT_GBPS = 2.7
-"""tools/bench/refit.py on this project's 2-core CPU machine: 1.02 GB from a TP=2 actor into the hf engine through
-the object store, each TP rank sending its own parts, in 0.32-0.38 s (2026-11-28, load average 3-13; 0.62-0.69 s
-before, gathered to one rank)."""
+CPU_REFIT_GBPS = 5.6
+"""tools/bench/refit.py on this project's 2-core CPU machine: 1.02 GB from a TP=2 actor into a CPU hf engine on the
+same node, each TP rank writing its own parts into the engine's weights in shared memory, in 0.17-0.19 s
+(2026-11-28; 0.31-0.33 s through the object store, 0.62-0.69 s gathered to one rank before 2026-11-28)."""
 
 TABLE: tuple[Bandwidth, ...] = (
     Bandwidth(
@@ -76,11 +76,11 @@ TABLE: tuple[Bandwidth, ...] = (
     ),
     Bandwidth(
         "host_copy_cpu",
-        "object_store (CPU engines)",
+        "object_store (CPU engines: in place in shared memory)",
         CPU_REFIT_GBPS,
         "GB/s",
         "measured-cpu",
-        "python tools/bench/refit.py: 1.02 GB from a TP=2 actor in 0.32-0.38 s on 2 shared CPU cores (2026-11-28)",
+        "python tools/bench/refit.py: 1.02 GB from a TP=2 actor in 0.17-0.19 s on 2 CPU cores (2026-11-28)",
     ),
     Bandwidth(
         "bucket_call",

@@ -10,17 +10,20 @@ moves between minutes).
 The path is the trainer's own: Ray worker groups built as megarl/trainer/lifecycle/roles.py builds them in colocated
 mode (an actor `MegatronWorker` group of 2 ranks at TP=2, trainable, and one `RolloutWorker` with the hf engine, sharing
 two logical GPUs), and a sync is `begin_weight_update` / `sync_weights` / `finish_weight_update`, exactly as the
-trainer calls them (megarl/workers/weight_sync.py: since 2026-11-28 no TP gather: each TP rank cuts its own parts of
-the split tensors from its shards (q/k/v per query group, gate/up halves, vocabulary rows) and sends them, each as a
-NumPy view of its bytes (megarl/workers/bucket_transport.py), `ray.put` and `apply_packed_bucket.remote` on a sender
-thread while the next bucket is exported, two buckets in flight per rank; the engine copies each part into its slice
-of the parameter). Next to it, in turns with it (A B A B, so that both share the machine's moments), the same call
-with the engine marked as taking whole tensors only: the road until 2026-11-28 (the TP shards gathered to rank 0
-over gloo, converted and sent from there alone).
+trainer calls them. Three roads, in turns (A B C A B C, so that all share the machine's moments):
+- `sync`, the trainer's road into a CPU hf engine on the actor's node (since 2026-11-28, late): the engine's weights
+  are in shared memory (megarl/rollout/shared_weights.py) and each TP rank copies its own parts of the tensors (q/k/v
+  per query group, gate/up halves, vocabulary rows) straight from its shards into them: one copy per byte;
+- `sync_parts`, the same parts through Ray's object store (the road of an hf engine on another node; the trainer's
+  road on 2026-11-28): each part as a NumPy view of its bytes (megarl/workers/bucket_transport.py), `ray.put` and
+  `apply_packed_bucket.remote` on a sender thread while the next bucket is exported, two buckets in flight per rank;
+  the engine copies each part into its slice of the parameter: two copies per byte;
+- `sync_gathered`, the engine marked as taking whole tensors only: the road until 2026-11-28 (the TP shards gathered
+  to rank 0 over gloo, converted and sent from there alone).
 
 For the profile, an instrumented copy of that loop (timers around the TP gathers, the rest of the export, `ray.put`,
 the waits, and on the engine the deserialization and `apply_bucket`), sending on the exporting thread so that its
-parts add up, on each rank: `parts` (the trainer's road) and `gathered` (the road until 2026-11-28); with
+parts add up, on each rank: `parts` (the object store road) and `gathered` (the road until 2026-11-28); with
 `--history` also `before` (each bucket pickled as torch tensors, every TP rank all-gathering every parameter: the
 road until 2026-11-22) and `fix 1 alone` (NumPy transport, all-gather). And:
 - `export only`: the export stream on the actor ranks, buckets dropped (TP gather or parts, HF layout, bucketing);
@@ -28,7 +31,8 @@ road until 2026-11-22) and `fix 1 alone` (NumPy transport, all-gather). And:
 
 Memory: the RSS of the two actor ranks and the engine process, sampled every 2 ms by the driver (psutil), peak
 minus the value just before the sync (each process trims its heap first), both including and excluding shared
-pages (the object store is shared memory mapped into the processes; `private` counts the rest).
+pages (the object store, and on the `sync` road the engine's weights, are shared memory mapped into the processes;
+`private` counts the rest).
 
 Model (generated, no hub): Qwen3-shaped, 16 layers, hidden 1024, vocab 32000, 254 M parameters, 1.02 GB in fp32.
 """
@@ -366,7 +370,7 @@ class Bench:
 
     def sync(self, bucket_bytes: int, road: str = "shared_memory"):
         """The trainer's call, as in megarl/trainer: every actor rank runs `send_weights` to every engine, by
-        `road`: shared_memory (the trainer's road into a CPU hf engine since 2026-11-29: each rank writes its parts
+        `road`: shared_memory (the trainer's road into a CPU hf engine since 2026-11-28: each rank writes its parts
         into the engine's shared weights), parts (each rank its parts through the object store, 2026-11-28) or
         gathered (the engine marked as taking whole tensors only: gathered to TP rank 0, until 2026-11-28)."""
         import dataclasses
