@@ -38,7 +38,7 @@ BUCKET_OVERHEAD_S = 0.01
 """Fixed cost of one bucket on the engine side (HTTP / IPC round trip plus SGLang's per-call work)."""
 CPU_REFIT_GBPS = 5.6
 """tools/bench/refit.py on this project's 2-core CPU machine: 1.02 GB from a TP=2 actor into a CPU hf engine on the
-same node, each TP rank writing its own parts into the engine's weights in shared memory, in 0.17-0.19 s
+same node, each TP rank writing its own parts into the engine's weights in shared memory, in 0.14-0.19 s
 (2026-11-28; 0.31-0.33 s through the object store, 0.62-0.69 s gathered to one rank before 2026-11-28)."""
 
 TABLE: tuple[Bandwidth, ...] = (
@@ -80,7 +80,7 @@ TABLE: tuple[Bandwidth, ...] = (
         CPU_REFIT_GBPS,
         "GB/s",
         "measured-cpu",
-        "python tools/bench/refit.py: 1.02 GB from a TP=2 actor in 0.17-0.19 s on 2 CPU cores (2026-11-28)",
+        "python tools/bench/refit.py: 1.02 GB from a TP=2 actor in 0.14-0.19 s on 2 CPU cores (2026-11-28)",
     ),
     Bandwidth(
         "bucket_call",
