@@ -69,11 +69,17 @@ class SharedWeights:
 def move_to_shared_memory(model: torch.nn.Module, targets: Iterable[torch.Tensor]) -> tuple[mmap.mmap, int, str]:
     """Move the storages of `targets` into one new memfd, and every tensor of `model` viewing them (tied weights
     stay tied; each tensor keeps its identity, shape and strides): returns (the engine's mapping, the memfd, the
-    token). The model's memory is copied once; the old storages are freed with their last tensor."""
+    token). One storage at a time, each freed once its tensors point into the file: the memory needed beyond the
+    model is its largest storage."""
+    targets = list(targets)
     storages: dict[int, torch.UntypedStorage] = {}
     for tensor in targets:
         storage = tensor.untyped_storage()
         storages.setdefault(storage.data_ptr(), storage)
+    viewing: dict[int, list[torch.Tensor]] = {ptr: [] for ptr in storages}
+    for tensor in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values():
+        if (ptr := tensor.untyped_storage().data_ptr()) in viewing:
+            viewing[ptr].append(tensor)
     offsets, total = {}, _HEADER
     for ptr, storage in storages.items():
         offsets[ptr] = total
@@ -88,17 +94,17 @@ def move_to_shared_memory(model: torch.nn.Module, targets: Iterable[torch.Tensor
     flat = torch.frombuffer(mapping, dtype=torch.uint8)
     token = secrets.token_hex(16)
     flat[: len(token)].copy_(torch.frombuffer(bytearray(token.encode()), dtype=torch.uint8))
-    for ptr, storage in storages.items():
-        old = torch.empty(0, dtype=torch.uint8).set_(storage)
-        flat[offsets[ptr] : offsets[ptr] + storage.nbytes()].copy_(old)
     shared = flat.untyped_storage()
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     with torch.no_grad():
-        for tensor in tensors.values():
-            base = offsets.get(tensor.untyped_storage().data_ptr())
-            if base is None:
-                continue
-            tensor.set_(shared, base // tensor.element_size() + tensor.storage_offset(), tensor.shape, tensor.stride())
+        for ptr in list(storages):
+            storage, base = storages.pop(ptr), offsets[ptr]
+            flat[base : base + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+            del storage
+            for tensor in viewing.pop(ptr):
+                offset = base // tensor.element_size() + tensor.storage_offset()
+                tensor.set_(shared, offset, tensor.shape, tensor.stride())
+    if any(t.untyped_storage().data_ptr() != shared.data_ptr() for t in targets):  # writes would go nowhere
+        raise RuntimeError("shared weights: a tensor to be written is not a parameter or buffer of the model")
     return mapping, fd, token
 
 
