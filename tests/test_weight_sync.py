@@ -10,6 +10,9 @@ object store road (an engine on another node) gives the same bits.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -141,6 +144,24 @@ def one_update(actor):
         loss_weights=loss_weights("token-mean", mask),
     )
     actor.call("update_policy", batch, PolicyLoss(PolicyLossConfig(clip_high=100.0)), dispatch="dp_split")
+
+
+def test_the_gpu_kits_delta_road_runs_here(built):
+    """tools/bench/gpu_refit.py's delta road (the GPU kit runs it over CUDA IPC) on this machine's road, the
+    engine's shared weights: a full sync, then two real updates each followed by a delta sync, and the engine holds
+    the actor's whole export bit for bit at the end. (First in the file: the next test goes on with this pair.)"""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tools" / "bench"))
+    try:
+        import gpu_refit
+    finally:
+        sys.path.pop(0)
+    _, actor, rollout = built("tiny-qwen3", ParallelConfig(tp=2))
+    route = SyncRoute.to_workers(rollout.workers, shared=rollout.call("shared_weights"))
+    out = gpu_refit.delta_road(actor, rollout, route, first_version=101, steps=2, bucket_bytes=64 * 1024)
+    assert out["verified"] and out["problems"] == []
+    syncs = out["syncs"]
+    assert [s["mode"] for s in syncs] == ["full", "delta", "delta"]
+    assert syncs[0]["bytes"] == syncs[0]["full_bytes"] == syncs[1]["full_bytes"] == syncs[2]["full_bytes"]
 
 
 @pytest.mark.parametrize(

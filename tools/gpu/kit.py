@@ -95,7 +95,7 @@ STEPS = (
         per_test_s=30,
     ),
     Step("bench-train-step", 35, "0.5 B update step: megarl, then transformers + AdamW", script="gpu_train_step.py"),
-    Step("bench-refit", 30, "0.5 B colocated sync: CUDA IPC, object store, device copy", script="gpu_refit.py"),
+    Step("bench-refit", 30, "0.5 B colocated sync: CUDA IPC, object store, device copy, delta", script="gpu_refit.py"),
     Step(
         "extras",
         165,
