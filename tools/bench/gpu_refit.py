@@ -12,7 +12,8 @@ delta sync, bytes and seconds per sync, and the engine compared with the actor's
 Where `sglang` is installed, the same checkpoint's tensors (on this process's GPU) are then loaded into a real
 SGLang server by SGLang's two roads as megarl drives them: `update_weights_from_tensor` with SGLang's
 flattened-bucket IPC payload (the colocated `ipc` transport) and a flattened broadcast through
-`update_weights_from_distributed` (the split `nccl` transport; over gloo here, as one GPU cannot hold two NCCL ranks).
+`update_weights_from_distributed` (the split `nccl` transport; over gloo here, as one GPU cannot hold two NCCL ranks),
+then by the per-node relay (`relay_syncs`: the `ipc_relay` transport's own code with one actor rank).
 Each measurement is appended to --jsonl as one JSON line the moment it is taken.
 """
 
@@ -89,6 +90,37 @@ def delta_road(actor, rollout, route, first_version: int, steps: int, bucket_byt
     }
 
 
+def relay_syncs(engine, buckets: list, versions: range) -> list[float]:
+    """Seconds of each sync into `engine` (an SGLangEngine on this process's GPU) by the per-node relay
+    (rollout.weight_sync ipc_relay, megarl/workers/ipc_relay.py) as an actor rank runs it, with one rank: the
+    relay's broadcast over a process group of one, the CUDA IPC handle serialized for SGLang, gathered over the
+    engine's gloo group and posted. On one GPU nothing crosses a node; what runs is the relay's own code, end to end,
+    into a real server."""
+    import torch.distributed as dist
+
+    from megarl.runtime.ports import find_free_port
+    from megarl.workers.bucket_transport import device_uuid
+    from megarl.workers.ipc_relay import relay_weights
+    from megarl.workers.sync_route import EngineTarget, SyncRoute
+    from megarl.workers.weight_sync import SenderState
+
+    address = f"tcp://127.0.0.1:{find_free_port()}"
+    dist.init_process_group("cuda:nccl,cpu:gloo", init_method=address, rank=0, world_size=1)
+    try:
+        devices = (device_uuid(torch.device("cuda", torch.cuda.current_device())),)
+        route = SyncRoute("ipc_relay", (EngineTarget(None, devices, engine.endpoint),), gpus_per_engine=1)
+        state, seconds = SenderState(), []
+        for version in versions:
+            start = time.perf_counter()
+            engine.begin_weight_update(version)
+            relay_weights(iter(buckets), route, state, keep_samples=False)
+            engine.finish_weight_update(version)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+    finally:
+        dist.destroy_process_group()
+
+
 def sglang_roads(folder: Path, reps: int, bucket_bytes: int) -> dict:
     """Median seconds and GB/s of loading the checkpoint into a real SGLang server by each of megarl's SGLang roads."""
     from safetensors.torch import load_file
@@ -123,6 +155,9 @@ def sglang_roads(folder: Path, reps: int, bucket_bytes: int) -> dict:
                     seconds.append(time.perf_counter() - start)
             median = statistics.median(seconds)
             out[road] = {"seconds": median, "gb_per_s": num_bytes / median / 1e9, "bytes": num_bytes}
+        seconds = relay_syncs(engine, buckets, range(reps + 2, 2 * reps + 3))[1:]  # the first maps the groups
+        median = statistics.median(seconds)
+        out["sglang_ipc_relay"] = {"seconds": median, "gb_per_s": num_bytes / median / 1e9, "bytes": num_bytes}
         norms = [(name, t) for name, t in tensors.items() if "norm" in name]
         out["sglang_verified"] = engine.verify_weights(norms) == []
     finally:
@@ -200,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
             stop_ray()
         if importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("sgl_kernel") is not None:
             result |= sglang_roads(folder, args.reps, args.bucket_mb << 20)
-            for road in ("sglang_ipc", "sglang_broadcast_gloo"):
+            for road in ("sglang_ipc", "sglang_broadcast_gloo", "sglang_ipc_relay"):
                 record(args.jsonl, "refit", road, {**result[road], "verified": result["sglang_verified"]})
     delta = result["cuda_ipc_delta"]
     print(
@@ -213,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{result['device_copy_gb_per_s']:.0f} GB/s; target 40%), "
         f"object store {result['object_store']['seconds']:.3f} s"
     )
-    for road in ("sglang_ipc", "sglang_broadcast_gloo"):
+    for road in ("sglang_ipc", "sglang_broadcast_gloo", "sglang_ipc_relay"):
         if road in result:
             print(f"SGLang {road}: {result[road]['seconds']:.3f} s ({result[road]['gb_per_s']:.1f} GB/s)")
     return result
