@@ -86,8 +86,10 @@ def in_parts(name: str, tensor: torch.Tensor, rng: random.Random) -> list[tuple[
 def test_written_in_place_equals_from_pretrained(name, hf_checkpoint, other):
     engine = engine_on(hf_checkpoint(name))
     before = greedy(engine)
+    assert engine.shared_weights is None
     shared = engine.share_weights(NODE)
     assert greedy(engine) == before  # the weights moved, their values did not
+    assert engine.share_weights(NODE) is shared is engine.shared_weights  # moved once
     model = engine.model
     if model.config.tie_word_embeddings:  # still one tensor
         assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()

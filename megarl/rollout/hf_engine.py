@@ -353,6 +353,11 @@ class HFEngine(RolloutEngine):
                 logger.info("hf engine: weights in shared memory (%.2f GB, %s)", len(mapping) / 1e9, path)
             return self._shared[2]
 
+    @property
+    def shared_weights(self) -> SharedWeights | None:
+        """The description `share_weights` returned, once the weights are in shared memory (None before)."""
+        return None if self._shared is None else self._shared[2]
+
     def apply_shared_writes(self, names: list[str]) -> None:
         """Count the entries a sending rank wrote into the shared weights itself (checked as `apply_bucket` checks a
         bucket's)."""

@@ -265,6 +265,8 @@ class RolloutWorker(Worker):
         share = getattr(self.engine, "share_weights", None)
         if share is None:
             return None
+        if (known := self.engine.shared_weights) is not None:  # moved already: no wait for a generate call
+            return known
         import ray
 
         with self._lock:
