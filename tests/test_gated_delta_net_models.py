@@ -22,6 +22,7 @@ their own files.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -62,18 +63,38 @@ def next_config(**overrides):
 @pytest.fixture(scope="module")
 def vision_language_checkpoint(tmp_path_factory):
     """Qwen3.5 as published: transformers' vision-language class saved (language model under
-    `model.language_model.`, a vision tower under `model.visual.`, config.json's text_config), plus an MTP block
-    tensor (`mtp.*`, which transformers' class does not build)."""
+    `model.language_model.`, a vision tower under `model.visual.`, config.json's text_config), each layer's experts
+    fused as the published checkpoints store them (`mlp.experts.gate_up_proj` [experts, 2 x ffn, hidden], gate rows
+    then up rows; `mlp.experts.down_proj` [experts, hidden, ffn]; transformers saves them one per expert), plus an
+    MTP block tensor (`mtp.*`, which transformers' class does not build)."""
     from safetensors.torch import load_file, save_file
 
     from megarl.testing.tiny_checkpoint import make_hf_checkpoint
 
     raw = {"model_type": "qwen3_5_moe", "text_config": tiny_config(QWEN35), "vision_config": VISION}
     folder = make_hf_checkpoint(raw, tmp_path_factory.mktemp("qwen3.5-vl") / "src")
-    tensors = load_file(folder / "model.safetensors")
+    tensors = fuse_experts(load_file(folder / "model.safetensors"))
     tensors["mtp.fc.weight"] = torch.randn(64, 128)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (what save_pretrained writes) as the published Qwen3.5 checkpoints store them."""
+    per_expert = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+    fused, experts = {}, {}
+    for name, tensor in tensors.items():
+        match = per_expert.fullmatch(name)
+        if match is None:
+            fused[name] = tensor
+        else:
+            experts.setdefault(match[1], {})[int(match[2]), match[3]] = tensor
+    for prefix, parts in experts.items():
+        count = 1 + max(expert for expert, _ in parts)
+        gate_up = [torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in range(count)]
+        fused[prefix + "gate_up_proj"] = torch.stack(gate_up)
+        fused[prefix + "down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(count)])
+    return fused
 
 
 @pytest.fixture(scope="module")
@@ -389,6 +410,29 @@ def test_convert_verify_passes(hf_checkpoint, tmp_path):
     assert "tp=2 pp=2 vpp=1 pp_first_stage_layers=3 ep=2 etp=1 on 4 ranks" in out.stdout
 
 
+def test_published_fused_experts_read_as_one_tensor_per_expert(vision_language_checkpoint):
+    """Each expert's gate, up and down projections are its rows of the fused tensors, read whole or in slices (rows,
+    columns: what a tensor-parallel import reads) from their own bytes, under the weight table's names."""
+    from safetensors.torch import load_file
+
+    from megarl.models.hf_config import read_hf_weights
+
+    stored = load_file(vision_language_checkpoint / "model.safetensors")
+    gate_up = stored["model.language_model.layers.0.mlp.experts.gate_up_proj"]
+    down = stored["model.language_model.layers.0.mlp.experts.down_proj"]
+    checkpoint, prefix, ffn = read_hf_weights(vision_language_checkpoint), "model.layers.0.mlp.experts.", 32
+    assert gate_up.shape == (8, 2 * ffn, 64) and down.shape == (8, 64, ffn)  # 8 experts of width 32, hidden 64
+    assert sorted(n for n in checkpoint.names if n.startswith(prefix)) == sorted(
+        f"{prefix}{e}.{p}.weight" for e in range(8) for p in ("gate_proj", "up_proj", "down_proj")
+    )
+    for e in range(8):
+        assert torch.equal(checkpoint.get(f"{prefix}{e}.gate_proj.weight"), gate_up[e, :ffn])
+        assert torch.equal(checkpoint.get(f"{prefix}{e}.up_proj.weight"), gate_up[e, ffn:])
+        assert torch.equal(checkpoint.get(f"{prefix}{e}.down_proj.weight"), down[e])
+    assert torch.equal(checkpoint.get_slice(f"{prefix}1.up_proj.weight", 0, 2, 5), gate_up[1, ffn + 2 : ffn + 5])
+    assert torch.equal(checkpoint.get_slice(f"{prefix}3.down_proj.weight", 1, 3, 7), down[3, :, 3:7])
+
+
 def test_vision_language_checkpoint_converts_and_comes_back_bit_for_bit(ranks1, vision_language_checkpoint, tmp_path):
     """Qwen3.5 as published: `megarl convert --verify` reads the language model (config.json's text_config, tensors
     under `model.language_model.`) and compares it with transformers' Qwen3_5MoeForCausalLM loading the same folder;
@@ -423,7 +467,7 @@ def test_weight_sync_from_the_vision_language_checkpoint_sends_text_names(ranks4
 
     results = ranks4.run(exported_weights, str(vision_language_checkpoint), P(tp=2, ep=2), 64 * 1024)
     sent = dict(item for tensors, _ in results for item in tensors)
-    stored = HFCheckpoint(vision_language_checkpoint)
+    stored = HFCheckpoint(vision_language_checkpoint, split_fused_experts=True)  # experts one tensor each
     language = [n for n in stored.names if not n.startswith(("model.visual.", "mtp."))]
     assert sorted(sent) == sorted(n.replace("model.language_model.", "model.") for n in language)
     assert all(torch.equal(sent[n.replace("model.language_model.", "model.")], stored.get(n)) for n in language)

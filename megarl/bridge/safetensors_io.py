@@ -7,12 +7,18 @@ in advance, writes each file's header first and streams the data after it, so it
 
 Both take rows of tensors stacked over experts by the weight table's names, `name[i]` (megarl.bridge.mappings):
 the reader reads row i alone, the writer joins a tensor's rows and writes it once all have arrived.
+
+The reader can also list a checkpoint's fused experts one tensor per expert (`split_fused_experts`: Qwen3.5 as
+published stores `mlp.experts.gate_up_proj` [experts, 2 x ffn, hidden], each expert's gate rows then its up rows,
+and `mlp.experts.down_proj` [experts, hidden, ffn]): `mlp.experts.{e}.gate_proj.weight` and the others are
+contiguous byte ranges of those tensors, read as tensors of their own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -26,6 +32,8 @@ from megarl.bridge.mappings import stacked_row
 from megarl.errors import UserError
 
 INDEX_FILE = "model.safetensors.index.json"
+_FUSED_EXPERTS = re.compile(r"(.*\.mlp\.experts\.)(gate_up_proj|down_proj)")
+"""A tensor of all of a layer's experts (`HFCheckpoint` split_fused_experts): (its prefix, which projection)."""
 SINGLE_FILE = "model.safetensors"
 
 DTYPE_CODES: dict[torch.dtype, str] = {
@@ -137,6 +145,7 @@ class HFCheckpoint:
         dequantize_to: torch.dtype = torch.bfloat16,
         raw: bool = False,
         rename: Callable[[str], str] | None = None,
+        split_fused_experts: bool = False,
     ):
         self.folder = Path(folder)
         rename = rename or (lambda name: name)
@@ -157,6 +166,8 @@ class HFCheckpoint:
         if missing:
             raise UserError(f"{self.folder / INDEX_FILE} lists tensors missing from their files: {missing[:5]}")
         self.names: list[str] = list(weight_map) if self._has_index else list(self._specs)
+        if split_fused_experts:
+            self._split_fused_experts()
         self.bytes_read = 0
         """Bytes read from the files so far (what sliced reads save shows here)."""
         self._stored = dict(self._specs)
@@ -164,6 +175,33 @@ class HFCheckpoint:
         self.quantization = None if raw else BlockFP8.of_folder(self.folder)
         if self.quantization is not None:
             self._read_as_dequantized(dequantize_to)
+
+    def _split_fused_experts(self) -> None:
+        """List each fused expert tensor as one tensor per expert and projection, in its place (module docstring):
+        each a contiguous range of the fused tensor's bytes, so every read below works on it unchanged."""
+        names = []
+        for name in self.names:
+            match = _FUSED_EXPERTS.fullmatch(name)
+            spec = self._specs[name]
+            if match is None or len(spec.shape) != 3:
+                names.append(name)
+                continue
+            prefix, kind = match.groups()
+            experts, rows, columns = spec.shape
+            parts = (("gate_proj", 0), ("up_proj", rows // 2)) if kind == "gate_up_proj" else (("down_proj", 0),)
+            part_rows = rows // 2 if kind == "gate_up_proj" else rows
+            if kind == "gate_up_proj" and rows % 2:
+                raise UserError(f"{self.folder}: {name} has shape {spec.shape}: expected [experts, 2 x ffn, hidden]")
+            row_bytes = columns * spec.dtype.itemsize
+            for expert in range(experts):
+                for projection, first_row in parts:
+                    view = f"{prefix}{expert}.{projection}.weight"
+                    self._specs[view] = TensorSpec(view, spec.dtype, (part_rows, columns))
+                    self._file_of[view] = self._file_of[name]
+                    self._offset_of[view] = self._offset_of[name] + (expert * rows + first_row) * row_bytes
+                    names.append(view)
+            del self._specs[name]
+        self.names = names
 
     def _read_as_dequantized(self, dtype: torch.dtype) -> None:
         """List each quantized weight as its dequantized self and hide the scales; bad pairs are named now."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from megarl.bridge.fused_experts import ExpertFuser, fused_specs
 from megarl.bridge.model_bridge import Binding
 from megarl.bridge.safetensors_io import HFCheckpoint, ShardedSafetensorsWriter, TensorSpec
 from megarl.checkpoint.model_dir import (
@@ -158,14 +159,17 @@ def convert_mcore_to_hf(
 
     extra = HFCheckpoint(src / EXTRA_DIR) if (src / EXTRA_DIR).is_dir() else None
 
-    # a vision-language checkpoint's language model goes back under its own names (hf_config.VISION_LANGUAGE)
+    # a vision-language checkpoint's language model goes back under its own names (hf_config.VISION_LANGUAGE), its
+    # experts fused where the published checkpoints store them so (megarl/bridge/fused_experts.py)
     part = language_model_part(read_config_json(src / HF_DIR))
     stored = part.stored_name if part is not None else str
+    fuser = ExpertFuser() if part is not None and part.fused_experts else None
 
     with single_process_megatron():
         meta = build_meta_model(arch, hf_config, info.vocab, info.dtype)
         specs = meta.hf_specs(dtype_of)
         _check_manifest(manifest, specs, src)
+        specs = fused_specs(specs) if fuser is not None else specs
         specs = [replace(spec, name=stored(spec.name)) for spec in specs] + (extra.specs() if extra else [])
         sharded_state_dict = meta.chunk.sharded_state_dict()
         exported = [b for b in meta.bindings if b.mapping.export]
@@ -177,8 +181,12 @@ def convert_mcore_to_hf(
                     loaded = _load_group(sharded_state_dict, group, src / MODEL_DIR)
                     for binding in group:
                         tensors = meta.bridge.to_hf(binding, loaded.pop(binding.param_name), dtype_of)
+                        if fuser is not None:
+                            tensors = [item for name, tensor in tensors for item in fuser.add(name, tensor)]
                         writer.write_all((stored(name), tensor) for name, tensor in tensors)
                         advance(binding.param_name)
+            if fuser is not None:
+                fuser.check_done()
             for name in extra.names if extra else []:  # carried through unchanged (multi-token prediction)
                 writer.write(name, extra.get(name))
             writer.close()

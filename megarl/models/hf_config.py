@@ -58,6 +58,9 @@ class LanguageModelPart:
     stored_prefix: str
     """Prefix of the language model's tensors in the checkpoint where the text model has `model.`; `lm_head.weight`
     is the same in both."""
+    fused_experts: bool = False
+    """The published checkpoints store each layer's routed experts fused (FUSED_EXPERTS): `megarl convert` writes
+    them back so (megarl/bridge/fused_experts.py)."""
 
     def text_name(self, stored: str) -> str:
         """The text model's name of a checkpoint tensor (others, e.g. the vision tower's, unchanged)."""
@@ -68,10 +71,16 @@ class LanguageModelPart:
         return self.stored_prefix + text.removeprefix("model.") if text.startswith("model.") else text
 
 
-VISION_LANGUAGE = {"qwen3_5_moe": LanguageModelPart("text_config", "model.language_model.")}
+VISION_LANGUAGE = {"qwen3_5_moe": LanguageModelPart("text_config", "model.language_model.", fused_experts=True)}
 """config.json model_types of vision-language checkpoints whose language model megarl trains, read as that text
 model: its config from `config_key`, its tensors under the text model's names (Qwen3.5's published checkpoints)."""
 
+
+FUSED_EXPERTS = frozenset({"qwen3_5_moe", "qwen3_5_moe_text"})
+"""config.json model_types whose checkpoints may store each layer's routed experts fused (Qwen3.5 as published:
+`mlp.experts.gate_up_proj` [experts, 2 x ffn, hidden], `mlp.experts.down_proj` [experts, hidden, ffn]); transformers'
+`save_pretrained` writes them one tensor per expert. Both are read, as one tensor per expert (HFCheckpoint
+split_fused_experts)."""
 
 _INHERITED = ("dtype", "torch_dtype", "tie_word_embeddings")
 
@@ -83,12 +92,16 @@ def language_model_part(raw: dict[str, Any]) -> LanguageModelPart | None:
 
 def read_hf_weights(model_dir: str | Path, **kwargs) -> HFCheckpoint:
     """`HFCheckpoint(model_dir, **kwargs)` under the names the weight tables use: a vision-language checkpoint's
-    language model tensors under the text model's names (VISION_LANGUAGE), the rest as stored."""
+    language model tensors under the text model's names (VISION_LANGUAGE), fused experts one tensor per expert
+    (FUSED_EXPERTS), the rest as stored."""
     from megarl.bridge.safetensors_io import HFCheckpoint
 
     raw = read_config_json(model_dir) if (Path(model_dir) / "config.json").is_file() else {}
     part = language_model_part(raw)
-    return HFCheckpoint(model_dir, rename=part.text_name if part is not None else None, **kwargs)
+    split = raw.get("model_type") in FUSED_EXPERTS
+    return HFCheckpoint(
+        model_dir, rename=part.text_name if part is not None else None, split_fused_experts=split, **kwargs
+    )
 
 
 def config_from_dict(raw: dict[str, Any]):
