@@ -82,6 +82,31 @@ def hf_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def other_checkpoint(tmp_path_factory):
+    """other_checkpoint(name) -> folder of the same architecture as hf_checkpoint(name) with different random weights
+    (seed 1, no tokenizer): what a weight update writes into an engine loaded from hf_checkpoint(name)."""
+    cache: dict = {}
+    root = tmp_path_factory.mktemp("hf-other")
+
+    def make(name: str):
+        if name not in cache:
+            cache[name] = make_hf_checkpoint(name, root / name, seed=1, with_tokenizer=False)
+        return cache[name]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy shared CPU they lose a lot (a module's tests ask
+    for it with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`)."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="session")
 def hf_reference(hf_checkpoint):
     """hf_reference(name, batch=2) -> (HF folder, token ids [batch, 48], the HF model's fp32 logits on them)."""
     from helpers import hf_logits, sample_ids

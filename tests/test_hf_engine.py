@@ -53,13 +53,7 @@ def assert_close(actual: list[float], expected: list[float], tol: float = 1e-5) 
     assert max((abs(a - b) for a, b in zip(actual, expected)), default=0.0) <= tol
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy shared CPU they lose a lot."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from megarl.bridge.buckets import part_name
 from megarl.bridge.safetensors_io import HFCheckpoint
 from megarl.errors import UserError
 from megarl.rollout.hf_weights import WeightLoader
-from megarl.testing.tiny_checkpoint import make_hf_checkpoint
 
 ARCHITECTURES = [
     "tiny-llama",
@@ -34,27 +33,7 @@ ARCHITECTURES = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy shared CPU they lose a lot."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
-@pytest.fixture(scope="module")
-def other_checkpoint(tmp_path_factory):
-    """other_checkpoint(name) -> folder of the same architecture with different random weights (seed 1)."""
-    cache: dict = {}
-    root = tmp_path_factory.mktemp("hf-other")
-
-    def make(name: str):
-        if name not in cache:
-            cache[name] = make_hf_checkpoint(name, root / name, seed=1, with_tokenizer=False)
-        return cache[name]
-
-    return make
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def load(folder, dtype=torch.float32):

@@ -24,31 +24,11 @@ from megarl.rollout.config import HFEngineConfig, SamplingParams
 from megarl.rollout.engine import GenerateRequest
 from megarl.rollout.hf_engine import HFEngine
 from megarl.rollout.shared_weights import SharedWeightsUnavailable, SharedWeightsWriter
-from megarl.testing.tiny_checkpoint import make_hf_checkpoint
 from megarl.workers.sync_route import SyncRoute
 from megarl.workers.weight_sync import SenderState, _roads
 
 NODE = "node-a"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
-@pytest.fixture(scope="module")
-def other(tmp_path_factory):
-    cache: dict = {}
-
-    def make(name: str):
-        if name not in cache:
-            cache[name] = make_hf_checkpoint(name, tmp_path_factory.mktemp(name), seed=1, with_tokenizer=False)
-        return cache[name]
-
-    return make
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def engine_on(folder) -> HFEngine:
@@ -83,7 +63,7 @@ def in_parts(name: str, tensor: torch.Tensor, rng: random.Random) -> list[tuple[
         "tiny-gpt-oss",  # experts stacked in the checkpoint, sinks
     ],
 )
-def test_written_in_place_equals_from_pretrained(name, hf_checkpoint, other):
+def test_written_in_place_equals_from_pretrained(name, hf_checkpoint, other_checkpoint):
     engine = engine_on(hf_checkpoint(name))
     before = greedy(engine)
     assert engine.shared_weights is None
@@ -94,7 +74,7 @@ def test_written_in_place_equals_from_pretrained(name, hf_checkpoint, other):
     if model.config.tie_word_embeddings:  # still one tensor
         assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     writer = SharedWeightsWriter(shared, NODE)
-    checkpoint = HFCheckpoint(other(name))
+    checkpoint = HFCheckpoint(other_checkpoint(name))
     rng = random.Random(0)
     entries = [part for n in checkpoint.names for part in in_parts(n, checkpoint.get(n), rng)]
     rng.shuffle(entries)
@@ -105,7 +85,7 @@ def test_written_in_place_equals_from_pretrained(name, hf_checkpoint, other):
         engine.apply_shared_writes(written)
     engine.finish_weight_update(1)  # strict: every checkpoint tensor covered exactly once
     assert engine.weights.counts.num_tensors == len(entries)
-    assert_same_state(model, load(other(name)))
+    assert_same_state(model, load(other_checkpoint(name)))
     writer.close()
     engine.shutdown()
     assert not os.path.exists(shared.path)  # the engine's memfd is closed with it

@@ -16,9 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.algorithms.aggregation import loss_weights
-from megarl.algorithms.config import PolicyLossConfig
-from megarl.algorithms.losses import PolicyLoss
 from megarl.cluster.config import ClusterConfig
 from megarl.cluster.ray_runtime import start_ray, stop_ray
 from megarl.cluster.resource_pool import ResourcePool
@@ -27,6 +24,7 @@ from megarl.data.collate import make_rl_batch
 from megarl.rollout.config import RolloutConfig, SamplingParams
 from megarl.rollout.engine import GenerateRequest
 from megarl.runtime.parallel import ParallelConfig
+from megarl.testing import updates
 from megarl.workers.config import MicroBatchSettings, ModelSettings, OptimizerSettings
 from megarl.workers.megatron_worker import MegatronWorker
 from megarl.workers.rollout_worker import RolloutWorker
@@ -136,14 +134,7 @@ def check_engine_matches_actor(actor, rollout, max_new_tokens: int = 8) -> list[
 
 
 def one_update(actor):
-    batch = make_rl_batch(PROMPTS, [[5, 6, 7, 8]] * len(PROMPTS), pad_id=0)
-    mask = batch["response_mask"]
-    batch = batch.with_tensors(
-        advantages=mask.float(),
-        old_logprobs=torch.full(mask.shape, -4.0),
-        loss_weights=loss_weights("token-mean", mask),
-    )
-    actor.call("update_policy", batch, PolicyLoss(PolicyLossConfig(clip_high=100.0)), dispatch="dp_split")
+    updates.one_update(actor, PROMPTS)
 
 
 def test_the_gpu_kits_delta_road_runs_here(built):

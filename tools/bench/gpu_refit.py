@@ -51,25 +51,14 @@ def delta_road(actor, rollout, route, first_version: int, steps: int, bucket_byt
     the engine compared with the actor's whole export at the end, bit for bit (`verified`)."""
     import dataclasses
 
-    from megarl.algorithms.aggregation import loss_weights
-    from megarl.algorithms.config import PolicyLossConfig
-    from megarl.algorithms.losses import PolicyLoss
-    from megarl.data.collate import make_rl_batch
+    from megarl.testing.updates import one_update
 
     prompts = [[1, 17, 25, 33, 9], [1, 40, 41, 42]]
-    batch = make_rl_batch(prompts, [[5, 6, 7, 8]] * len(prompts), pad_id=0)
-    mask = batch["response_mask"]
-    batch = batch.with_tensors(
-        advantages=mask.float(),
-        old_logprobs=torch.full(mask.shape, -4.0),
-        loss_weights=loss_weights("token-mean", mask),
-    )
-    loss = PolicyLoss(PolicyLossConfig(clip_high=100.0))
     syncs = []
     for step in range(steps + 1):
         version, mode = first_version + step, "delta" if step else "full"
         if step:
-            actor.call("update_policy", batch, loss, dispatch="dp_split")
+            one_update(actor, prompts)
         start = time.perf_counter()
         rollout.call("begin_weight_update", version, mode == "full")
         sent = actor.call("sync_weights", dataclasses.replace(route, delta=mode), version, bucket_bytes, collect="all")
