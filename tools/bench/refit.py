@@ -168,35 +168,13 @@ def engine_take(worker, boxed_ref: list, transport: str) -> tuple[float, float]:
     """Engine side of the instrumented loop: (seconds to deserialize the bucket, seconds in apply_bucket)."""
     import ray
 
+    from megarl.workers.bucket_transport import unpack_bucket
+
     start = time.perf_counter()
     payload = ray.get(boxed_ref[0])
     got = time.perf_counter()
-    worker.apply_bucket(decode_numpy(payload) if transport == "numpy" else payload)
+    worker.apply_bucket(unpack_bucket(payload) if transport == "numpy" else payload)
     return got - start, time.perf_counter() - got
-
-
-def encode_numpy(bucket: list) -> list:
-    """(name, dtype, shape, uint8 NumPy view of the bytes): Ray pickles NumPy arrays out of band, with one copy into
-    the object store, where a torch tensor goes through torch's own pickling (torch.save into bytes)."""
-    import torch
-
-    return [
-        (name, str(t.dtype), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy()) for name, t in bucket
-    ]
-
-
-def decode_numpy(payload: list) -> list:
-    """Tensors viewing the object store's read-only buffers (no copy): the engine copies them into its model."""
-    import warnings
-
-    import torch
-
-    out = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch warns that the buffers are read-only: we only read them
-        for name, dtype, shape, array in payload:
-            out.append((name, torch.from_numpy(array).view(getattr(torch, dtype.removeprefix("torch."))).view(shape)))
-    return out
 
 
 def all_gather_shards(binding, size: int, group) -> list:
@@ -224,6 +202,7 @@ def instrumented_send(
 
     from megarl.bridge import exporter
     from megarl.runtime import cpu_compat
+    from megarl.workers.bucket_transport import pack_bucket
 
     original_gather = exporter._gather_shards
     gather = all_gather_shards if gather_mode == "all_gather" else original_gather
@@ -258,7 +237,7 @@ def instrumented_send(
                 while len(in_flight) >= MAX_BUCKETS_IN_FLIGHT:
                     settle(in_flight.popleft())
                 t1 = time.perf_counter()
-                ref = ray.put(encode_numpy(bucket) if transport == "numpy" else bucket)
+                ref = ray.put(pack_bucket(bucket) if transport == "numpy" else bucket)
                 del bucket
                 t2 = time.perf_counter()
                 in_flight.append([engine.__ray_call__.remote(engine_take, [ref], transport) for engine in engines])
